@@ -1,0 +1,67 @@
+"""Standard multi-head attention with the same interface as :class:`DiffAttention` (the baseline twin)."""
+from __future__ import annotations
+
+from typing import Final, Optional
+
+import torch
+import torch.nn as nn
+
+from diffmm.nn.diff_attention import check_heads
+from diffmm.nn.kv_cache import KVCache
+from diffmm.nn.rope import apply_rope
+from diffmm.ops import attention
+
+
+class Attention(nn.Module):
+    """Softmax attention with GQA, RoPE, masks and a KV cache.
+
+    Args:
+        dim: width E = num_heads * head_dim.
+        num_heads: attention heads.
+        num_kv_heads: kv heads (GQA); default num_heads.
+        head_dim: default dim // num_heads.
+        Others as in :class:`diffmm.nn.DiffAttention` (``layer_idx`` and ``lambda_init`` are accepted and ignored,
+        so both layers can be built by one factory call).
+    """
+
+    use_rope: Final[bool]
+
+    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, layer_idx: int = 0, lambda_init=None, qkv_bias: bool = False,
+                 proj_bias: bool = False, causal: bool = False, use_rope: bool = False, norm_eps: float = 1e-5,
+                 backend: Optional[str] = None, **unused):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if num_heads <= 0 or dim % num_heads:
+                raise ValueError(f"Attention: width {dim} is not divisible by num_heads {num_heads}")
+            head_dim = dim // num_heads
+        check_heads(dim, num_heads, num_kv_heads, head_dim, 1, use_rope, "Attention")
+        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.out_proj = nn.Linear(num_heads * head_dim, dim, bias=proj_bias)
+
+    def forward(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
+                causal: Optional[bool] = None) -> torch.Tensor:
+        """x (B, N, E) -> (B, N, E); arguments as in :meth:`DiffAttention.forward`."""
+        B, N, _ = x.shape
+        H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, N, H, d)
+        k = self.k_proj(x).view(B, N, Hk, d)
+        v = self.v_proj(x).view(B, N, Hk, d)
+        if self.use_rope:
+            if rope is None:
+                raise ValueError("Attention was built with use_rope=True; forward needs rope=(cos, sin)")
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        out = attention(q, k, v, causal=self.causal if causal is None else causal, attn_mask=attn_mask,
+                        backend=self.backend)  # (B, N, H, d)
+        return self.out_proj(out.reshape(B, N, H * d))
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"

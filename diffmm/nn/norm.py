@@ -1,0 +1,32 @@
+"""RMSNorm computed in fp32."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim: ``x * rsqrt(mean(x^2) + eps) * weight``.
+
+    Args:
+        dim: size of the normalised (last) dim.
+        eps: added to the mean square.
+        elementwise_affine: learn a per-feature weight (init 1).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm input has last dim {x.shape[-1]}; expected {self.dim}")
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.to(y.dtype)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"

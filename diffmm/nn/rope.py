@@ -1,0 +1,45 @@
+"""Rotary position embedding, NeoX ``rotate_half`` convention (as LLaMA and HF DiffLlama).
+
+For differential attention RoPE rotates each d-wide component (SPEC section 1), so the
+rotation dim is the component head dim d.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Cos/sin tables for positions.
+
+    Args:
+        dim: rotated dim (even).
+        theta: base frequency.
+        max_positions: table size; positions beyond it are computed on the fly.
+    """
+
+    def __init__(self, dim: int, theta: float = 10000.0, max_positions: int = 4096):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"RoPE dim must be even; got {dim}")
+        self.dim, self.theta = dim, theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.max_positions = max_positions
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (N,) or (B, N) int -> cos, sin of shape (..., N, 1, dim), ready to broadcast over heads."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (..., N, dim/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # (..., N, 1, dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, N, H, dim) by cos/sin (N or B,N, 1, dim); computed in fp32."""
+    xf = x.float()
+    return (xf * cos.float() + rotate_half(xf) * sin.float()).to(x.dtype)
