@@ -1,0 +1,211 @@
+"""Every diffmm attention backend against the float64 reference, forward and backward."""
+import pytest
+import torch
+
+import diffmm.ops as ops
+from diffmm.ops.sdpa import diff_attention_sdpa
+
+F64 = torch.float64
+
+
+def make_inputs(B=2, N=13, S=None, h=4, h_kv=2, d=8, dtype=F64, pad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = N if S is None else S
+    q = torch.randn(B, N, 2 * h, d, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, S, 2 * h_kv, d, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, S, h_kv, 2 * d, generator=g, dtype=dtype, requires_grad=True)
+    lam = torch.tensor(0.37, dtype=dtype, requires_grad=True)
+    mask = None
+    if pad:
+        mask = torch.rand(B, S, generator=g) > 0.35
+        mask[:, -1] = True  # every query row keeps at least one key under causal alignment
+    return q, k, v, lam, mask
+
+
+def run_and_grads(fn, q, k, v, lam, **kw):
+    out = fn(q, k, v, lam, **kw)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(123), dtype=out.dtype)  # same for every call
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v, lam))
+    return out, grads
+
+
+UNFUSED = [("sdpa-split", lambda *a, **kw: diff_attention_sdpa(*a, layout="split", **kw)),
+           ("sdpa-pair", lambda *a, **kw: diff_attention_sdpa(*a, layout="pair", **kw)),
+           ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
+
+
+@pytest.mark.parametrize("name,fn", UNFUSED, ids=[n for n, _ in UNFUSED])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["plain", "gqa", "pad", "cross", "norm"])
+def test_backend_matches_reference_fp64(name, fn, causal, case):
+    kw = dict(N=13, h=4, h_kv=4)
+    if case == "gqa":
+        kw.update(h_kv=2)
+    if case == "pad":
+        kw.update(pad=True, h_kv=1)
+    if case == "cross":
+        kw.update(S=21, pad=True, h_kv=2)
+    q, k, v, lam, mask = make_inputs(**kw)
+    extra = {}
+    if case == "norm":
+        extra = dict(norm_weight=torch.rand(2 * q.shape[-1], dtype=F64) + 0.5, lambda_init=0.356)
+    ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=causal, attn_mask=mask, **extra)
+    out, grads = run_and_grads(fn, q, k, v, lam, causal=causal, attn_mask=mask, **extra)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    for n, a, b in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+    torch.testing.assert_close(grads[3], ref_grads[3], atol=1e-9, rtol=1e-9)
+
+
+def naive_diff_attention(q, k, v, lam, causal=False, mask=None, norm_weight=None, lambda_init=None, eps=1e-5):
+    """Loop-per-head implementation written directly from SPEC section 1, independent of diffmm's reference."""
+    B, N, H2, d = q.shape
+    S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
+    out = torch.zeros(B, N, h, 2 * d, dtype=q.dtype)
+    for b in range(B):
+        for i in range(h):
+            g = i // (h // h_kv)
+            maps = []
+            for j in range(2):
+                s = q[b, :, 2 * i + j] @ k[b, :, 2 * g + j].T / d ** 0.5  # (N, S)
+                if causal:
+                    s = s.masked_fill(torch.ones(N, S, dtype=torch.bool).tril(S - N).logical_not(), float("-inf"))
+                if mask is not None:
+                    s = s.masked_fill(~mask[b][None, :], float("-inf"))
+                maps.append(torch.softmax(s, -1))
+            o = (maps[0] - lam * maps[1]) @ v[b, :, g]  # (N, 2d)
+            if lambda_init is not None:
+                o = o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight * (1 - lambda_init)
+            out[b, :, i] = o
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_naive_spec(causal):
+    q, k, v, lam, mask = make_inputs(B=2, N=7, S=9, h=4, h_kv=2, d=4, pad=True)
+    w = torch.rand(8, dtype=F64) + 0.5
+    ref = ops.diff_attention_reference(q, k, v, lam, causal=causal, attn_mask=mask, norm_weight=w, lambda_init=0.2)
+    torch.testing.assert_close(ref, naive_diff_attention(q, k, v, lam, causal, mask, w, 0.2))
+
+
+def test_fp32_and_bf16_outputs_close_to_fp64():
+    q, k, v, lam, _ = make_inputs(N=33, h=2, h_kv=2, d=16)
+    ref = ops.diff_attention_reference(q, k, v, lam, causal=True)
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)]:
+        out = ops.diff_attention(q.to(dtype), k.to(dtype), v.to(dtype), lam.float(), causal=True, backend="sdpa")
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_fully_masked_rows_are_zero_and_gradients_finite():
+    q, k, v, lam, _ = make_inputs(B=1, N=4, S=4, h=2, h_kv=2, d=4)
+    mask = torch.tensor([[False, False, True, True]])  # left padding: causal rows 0 and 1 see no key
+    for backend in ["reference", "sdpa"]:
+        out, grads = run_and_grads(lambda *a, **kw: ops.diff_attention(*a, backend=backend, **kw), q, k, v, lam,
+                                   causal=True, attn_mask=mask)
+        assert torch.all(out[:, :2] == 0)
+        assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_additive_float_mask_equals_bool_mask():
+    q, k, v, lam, mask = make_inputs(N=9, h=2, h_kv=2, pad=True)
+    add = torch.zeros(mask.shape, dtype=F64).masked_fill(~mask, float("-inf"))[:, None, None, :]
+    for backend in ["reference", "sdpa"]:
+        a = ops.diff_attention(q, k, v, lam, attn_mask=mask, backend=backend)
+        b = ops.diff_attention(q, k, v, lam, attn_mask=add, backend=backend)
+        torch.testing.assert_close(a, b)
+
+
+def test_causal_with_kv_cache_alignment():
+    """The last N queries against S keys equal the last N rows of the full square causal call."""
+    q, k, v, lam, _ = make_inputs(N=10, h=2, h_kv=1)
+    full = ops.diff_attention(q, k, v, lam, causal=True, backend="sdpa")
+    tail = ops.diff_attention(q[:, -3:], k, v, lam, causal=True, backend="sdpa")
+    torch.testing.assert_close(tail, full[:, -3:])
+
+
+def test_standard_attention_backends_match_reference():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 11, 8, 8, dtype=F64, generator=g)
+    k = torch.randn(2, 15, 2, 8, dtype=F64, generator=g)
+    v = torch.randn(2, 15, 2, 12, dtype=F64, generator=g)
+    mask = torch.rand(2, 15, generator=g) > 0.3
+    mask[:, -1] = True
+    for causal in [False, True]:
+        ref = ops.attention(q, k, v, causal=causal, attn_mask=mask, backend="reference")
+        torch.testing.assert_close(ops.attention(q, k, v, causal=causal, attn_mask=mask, backend="sdpa"), ref)
+        kk, vv = k.repeat_interleave(4, 2), v.repeat_interleave(4, 2)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+            attn_mask=mask[:, None, None, :] & torch.ones(11, 15, dtype=torch.bool).tril(4)
+            if causal else mask[:, None, None, :]).transpose(1, 2)
+        torch.testing.assert_close(ref, want)
+
+
+# ---- dispatch and errors -------------------------------------------------------------------------
+
+
+def test_unknown_backend_lists_available():
+    q, k, v, lam, _ = make_inputs()
+    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; available: auto, .*reference.*sdpa"):
+        ops.diff_attention(q, k, v, lam, backend="nope")
+
+
+def test_env_var_selects_backend(monkeypatch):
+    q, k, v, lam, _ = make_inputs()
+    monkeypatch.setenv("DIFFMM_ATTN_BACKEND", "nope")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        ops.diff_attention(q, k, v, lam)
+    monkeypatch.setenv("DIFFMM_ATTN_BACKEND", "reference")
+    call = ops.AttentionCall("diff", q, None, False, 8, 16)
+    assert ops.select_backend(call).name == "reference"
+    assert ops.select_backend(call, "sdpa").name == "sdpa"  # the per-module argument wins
+
+
+def test_auto_dispatch_on_cpu_is_sdpa(monkeypatch):
+    monkeypatch.delenv("DIFFMM_ATTN_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, *_ = make_inputs(dtype=torch.float32)
+    assert ops.select_backend(ops.AttentionCall("diff", q, None, False, 8, 16)).name == "sdpa"
+
+
+def test_forcing_flash_without_it_says_why():
+    q, k, v, lam, _ = make_inputs()
+    with pytest.raises(RuntimeError, match="attention backend 'flash' cannot run this call: "):
+        ops.diff_attention(q, k, v, lam, backend="flash")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v: (q[..., :-1], k, v), r"k has shape \(2, 13, 8, 8\); expected \(B=2, S, 2\*h_kv, d=7\)"),
+    (lambda q, k, v: (q, k, v[..., :-1]), r"v has shape \(2, 13, 4, 15\); expected \(B=2, S=13, h_kv=4, 2\*d=16\)"),
+    (lambda q, k, v: (q[:, :, :-1], k, v), r"q has shape .*expected \(B, N, 2\*h, d\)"),
+    (lambda q, k, v: (q[:, :, :6], k, v), r"q has 3 differential heads and k has 4; expected h divisible by h_kv"),
+    (lambda q, k, v: (q, k.float(), v), r"k has dtype torch.float32; expected torch.float64 like q"),
+    (lambda q, k, v: (q[0], k, v), r"q has shape \(13, 8, 8\).*expected 4 dims"),
+])
+def test_bad_shapes_give_one_line_errors(bad, match):
+    q, k, v, lam, _ = make_inputs(h=4, h_kv=4)
+    with pytest.raises((ValueError, TypeError), match=match) as e:
+        ops.diff_attention(*bad(q, k, v), lam)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mask,match", [
+    (torch.ones(2, 12, dtype=torch.bool), r"attn_mask \(bool key-padding\) has shape \(2, 12\); expected \(B, S\) = \(2, 13\)"),
+    (torch.zeros(3, 1, 13, 13), r"attn_mask \(additive float\) has shape \(3, 1, 13, 13\); expected broadcastable"),
+    (torch.ones(2, 13, dtype=torch.int64), r"attn_mask has dtype torch.int64; expected bool"),
+])
+def test_bad_masks(mask, match):
+    q, k, v, lam, _ = make_inputs()
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.diff_attention(q, k, v, lam, attn_mask=mask)
+
+
+def test_norm_weight_needs_lambda_init_and_right_shape():
+    q, k, v, lam, _ = make_inputs()
+    with pytest.raises(ValueError, match="norm_weight was given without lambda_init"):
+        ops.diff_attention(q, k, v, lam, norm_weight=torch.ones(16, dtype=F64))
+    with pytest.raises(ValueError, match=r"norm_weight has shape \(8,\); expected \(2\*d,\) = \(16,\)"):
+        ops.diff_attention(q, k, v, lam, norm_weight=torch.ones(8, dtype=F64), lambda_init=0.2)
+    with pytest.raises(ValueError, match=r"lam has shape \(2,\); expected a scalar tensor"):
+        ops.diff_attention(q, k, v, torch.ones(2, dtype=F64))
