@@ -39,7 +39,8 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
 
     Args:
         url: local path, ``pipe:`` command or remote url.
-        stats: counters to update (shards opened/failed/truncated/empty, samples_in, skip_truncated).
+        stats: counters to update (shards opened/failed/truncated/empty; a sample cut off by
+            truncation counts as ``samples_in`` + ``skip_truncated``; the consumer counts the rest).
         offset: keep only samples whose index in the shard is ``offset`` modulo ``stride``
             (used when several workers share one shard).
         stride: see ``offset``.
@@ -67,15 +68,13 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
             key, field = parts
             if current is not None and current["__key__"] != key:
                 if index % stride == offset:
-                    stats.add("samples_in")
                     yield current
                 index += 1
                 current = None
-            data = tf.extractfile(member).read()  # type: ignore[union-attr]
-            n_members += 1
             if current is None:
                 current = {"__key__": key, "__url__": url}
-            current[field] = data
+            current[field] = tf.extractfile(member).read()  # type: ignore[union-attr]
+            n_members += 1
         if getattr(tf, "_diffmm_cut", False):
             problem = "stream ended without the end-of-archive block"
     except GeneratorExit:  # the consumer stopped early (batch quota reached): close quietly
@@ -84,13 +83,19 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
     except (tarfile.TarError, EOFError, OSError, ValueError) as e:
         problem = f"{type(e).__name__}: {e}"
     finally:
+        close_error = None
         try:
             stream.close()
-        except OSError as e:  # pipe exit status
-            if problem is None and not abandoned:
-                stats.shard_problem("shards_failed", url, str(e))
-                problem = "reported"
-    if problem is not None and problem != "reported":
+        except OSError as e:  # a pipe command's exit status
+            close_error = str(e)
+    if close_error is not None and not abandoned:
+        stats.shard_problem("shards_failed", url, close_error)
+        if problem is not None:
+            if current is not None and index % stride == offset:
+                stats.add("samples_in")
+                stats.skip("truncated", f"{url}:{current['__key__']}")
+            return
+    elif problem is not None:
         if n_members == 0 and "empty file" in problem:
             stats.shard_problem("shards_empty", url)
             return
@@ -105,7 +110,6 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
         return
     if current is not None:
         if index % stride == offset:
-            stats.add("samples_in")
             yield current
-    elif problem is None and n_members == 0:
+    elif n_members == 0 and close_error is None:
         stats.shard_problem("shards_empty", url)

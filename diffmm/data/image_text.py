@@ -1,0 +1,153 @@
+"""Image-text and image-label batches from img2dataset-style shards (``KEY.jpg|png|webp`` + ``KEY.txt`` + ``KEY.json``)."""
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from PIL import Image
+
+from diffmm.data.stream import ShardLoader, ShardStream
+from diffmm.data.tokenizers import clip_tokenizer
+from diffmm.data.transforms import image_transform
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+
+
+def decode_image(sample: dict, stats, where: str) -> Image.Image | None:
+    """The sample's image, fully decoded, or ``None`` after counting a skip."""
+    field = next((f for f in IMAGE_FIELDS if f in sample), None)
+    if field is None:
+        stats.skip("missing_image", where, f"fields {sorted(k for k in sample if not k.startswith('__'))}")
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(io.BytesIO(sample[field]))
+            img.load()
+    except Exception as e:  # PIL raises many types for bad bytes
+        stats.skip("corrupt_image", where, f"{field}: {type(e).__name__}: {e}")
+        return None
+    return img
+
+
+class _ImageStream(ShardStream):
+    def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,
+                 image_size: int = 224, train: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("shuffle", train)
+        kwargs.setdefault("equalize", train)
+        super().__init__(urls, batch_size, **kwargs)
+        self.transform = transform if transform is not None else image_transform(image_size, train=train)
+
+    def _image(self, sample: dict) -> torch.Tensor | None:
+        where = f"{sample['__url__']}:{sample['__key__']}"
+        img = decode_image(sample, self.stats, where)
+        if img is None:
+            return None
+        try:
+            return self.transform(img)
+        except Exception as e:
+            self.stats.skip("corrupt_image", where, f"transform failed: {type(e).__name__}: {e}")
+            return None
+
+
+class ImageTextDataset(_ImageStream):
+    """Batches ``(images float (B,3,S,S), tokens long (B, context_length))``.
+
+    Decoding, the transform and tokenization run in the DataLoader workers. Samples with a
+    corrupt or missing image, no ``.txt`` or a non-UTF-8 caption are skipped and counted in
+    :attr:`stats`. See :class:`~diffmm.data.stream.ShardStream` for the sharding/epoch arguments.
+
+    Args:
+        urls: shard spec.
+        batch_size: per-rank batch size.
+        transform: PIL -> tensor; default :func:`image_transform` (``image_size``, ``train``).
+        tokenizer: list[str] -> LongTensor; default CLIP BPE with ``context_length``.
+        image_size: for the default transform.
+        context_length: for the default tokenizer.
+        train: default transform kind; also the default for ``shuffle`` and ``equalize``.
+        text_field: caption field (file extension).
+        **kwargs: :class:`ShardStream` options.
+    """
+
+    def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,
+                 tokenizer: Callable | None = None, image_size: int = 224, context_length: int = 77,
+                 train: bool = True, text_field: str = "txt", **kwargs: Any) -> None:
+        super().__init__(urls, batch_size, transform, image_size, train, **kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else clip_tokenizer(context_length)
+        self.text_field = text_field
+
+    def _process(self, sample: dict) -> tuple[torch.Tensor, str] | None:
+        where = f"{sample['__url__']}:{sample['__key__']}"
+        if self.text_field not in sample:
+            self.stats.skip("missing_text", where)
+            return None
+        try:
+            caption = sample[self.text_field].decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            self.stats.skip("bad_utf8", where, str(e))
+            return None
+        image = self._image(sample)
+        return None if image is None else (image, caption)
+
+    def _collate(self, items: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.stack([im for im, _ in items])
+        tokens = self.tokenizer([c for _, c in items])
+        return images, torch.as_tensor(tokens, dtype=torch.long)
+
+
+def parse_label(sample: dict, field: str) -> int:
+    """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``."""
+    if field.startswith("json:"):
+        return int(json.loads(sample["json"])[field[len("json:"):]])
+    return int(sample[field].decode("utf-8").strip())
+
+
+class ImageLabelDataset(_ImageStream):
+    """Batches ``(images float (B,3,S,S), labels long (B,))`` for zero-shot and linear-probe evaluation.
+
+    Args:
+        label_field: ``"cls"`` (a ``KEY.cls`` text file) or ``"json:NAME"`` (a field of ``KEY.json``).
+        Other arguments as :class:`ImageTextDataset`; ``train`` defaults to False here.
+    """
+
+    def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,
+                 image_size: int = 224, label_field: str = "cls", train: bool = False, **kwargs: Any) -> None:
+        super().__init__(urls, batch_size, transform, image_size, train, **kwargs)
+        self.label_field = label_field
+
+    def _process(self, sample: dict) -> tuple[torch.Tensor, int] | None:
+        where = f"{sample['__url__']}:{sample['__key__']}"
+        try:
+            label = parse_label(sample, self.label_field)
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            self.stats.skip("bad_label", where, f"{self.label_field}: {type(e).__name__}: {e}")
+            return None
+        image = self._image(sample)
+        return None if image is None else (image, label)
+
+    def _collate(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([im for im, _ in items]), torch.tensor([lb for _, lb in items], dtype=torch.long)
+
+
+def image_text_loader(urls: str | Sequence[str], batch_size: int, num_workers: int = 2, *,
+                      persistent_workers: bool = False, pin_memory: bool = False,
+                      multiprocessing_context: str | None = None, **dataset_kwargs: Any) -> ShardLoader:
+    """A :class:`ShardLoader` over an :class:`ImageTextDataset` (kwargs go to the dataset).
+
+    Example:
+        >>> loader = image_text_loader("data/emoji/noto/emoji-noto-{000000..000003}.tar", 64,
+        ...                            num_workers=2, image_size=64)          # doctest: +SKIP
+        >>> images, tokens = next(iter(loader))                                # doctest: +SKIP
+    """
+    ds = ImageTextDataset(urls, batch_size, **dataset_kwargs)
+    return ShardLoader(ds, num_workers=num_workers, persistent_workers=persistent_workers and num_workers > 0,
+                       pin_memory=pin_memory, multiprocessing_context=multiprocessing_context)
+
+
+def image_label_loader(urls: str | Sequence[str], batch_size: int, num_workers: int = 2,
+                       **dataset_kwargs: Any) -> ShardLoader:
+    """A :class:`ShardLoader` over an :class:`ImageLabelDataset` (kwargs go to the dataset)."""
+    return ShardLoader(ImageLabelDataset(urls, batch_size, **dataset_kwargs), num_workers=num_workers)

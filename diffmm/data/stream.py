@@ -1,0 +1,288 @@
+"""Base iterable dataset over webdataset shards: shard assignment, epochs, shuffling, batching.
+
+Subclasses turn raw samples into items (:meth:`ShardStream._process` or, for stateful work such
+as sequence packing, :meth:`ShardStream._items`) and items into a batch (:meth:`_collate`).
+Batches are built inside the DataLoader workers, so use ``batch_size=None`` in the DataLoader
+(:class:`ShardLoader` does).
+
+Three epoch modes:
+
+* ``resampled=True``: every worker draws shards with replacement (sources picked by weight),
+  forever; the epoch is cut at a fixed batch quota from ``samples_per_epoch``.
+* ``equalize=True`` (default for training): disjoint shards per rank x worker, re-read in a new
+  order if a worker runs out before its quota. Every rank yields exactly ``len(dataset)`` batches.
+* ``equalize=False`` (evaluation): each sample exactly once, disjoint over ranks and workers;
+  ranks may yield different numbers of batches.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import multiprocessing as mp
+import random
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from diffmm.data.dist import ShardSlice, assign_shards, batch_quota, detect_rank_world, worker_id_count, worker_seed
+from diffmm.data.stats import DataStats
+from diffmm.data.tar_reader import iter_tar_samples
+from diffmm.data.urls import check_shards_exist, expand_sources, read_sizes
+
+#: a worker that reads this many shards in a row without a single sample gives up (resampled mode)
+MAX_BARREN_SHARDS = 200
+#: in quota modes (which re-read data until the quota is met), this many skipped samples in a row stop the run
+MAX_CONSECUTIVE_SKIPS = 1000
+
+
+def shuffle_buffer(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """Shuffle a stream with a buffer of ``size`` items (reservoir-style swap)."""
+    buf: list[Any] = []
+    for x in items:
+        if len(buf) < size:
+            buf.append(x)
+            continue
+        i = rng.randrange(size)
+        yield buf[i]
+        buf[i] = x
+    rng.shuffle(buf)
+    yield from buf
+
+
+class ShardStream(IterableDataset):
+    """Batches from webdataset shards, correct under DDP and DataLoader workers.
+
+    Args:
+        urls: shard spec (brace expansion, ``pipe:``, ``::`` between sources).
+        batch_size: items per batch (per rank).
+        weights: per-source weights (resampled mode only).
+        resampled: draw shards with replacement (see module doc).
+        equalize: same batch count on every rank (ignored when resampled).
+        samples_per_epoch: items per epoch over all ranks; default: the ``sizes.json`` total.
+        shuffle: shuffle shards per epoch and samples through a buffer.
+        shuffle_buffer: sample shuffle buffer size (raw samples, before decoding).
+        seed: base seed; the epoch, rank and worker are mixed in.
+        drop_last: drop an incomplete final batch (finite mode; quota modes never make one).
+        rank, world_size: override the detected distributed setup.
+        stats: counters to use (default: a new :class:`DataStats`).
+        name: used in logs.
+        check_exist: raise at construction if local shards are missing.
+    """
+
+    def __init__(self, urls: str | Sequence[str], batch_size: int, *, weights: Sequence[float] | None = None,
+                 resampled: bool = False, equalize: bool = True, samples_per_epoch: int | None = None,
+                 shuffle: bool = True, shuffle_buffer: int = 1000, seed: int = 0, drop_last: bool = False,
+                 rank: int | None = None, world_size: int | None = None, stats: DataStats | None = None,
+                 name: str = "data", check_exist: bool = True) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.sources = expand_sources(urls, weights)
+        self.urls = [u for s in self.sources for u in s.urls]
+        if check_exist:
+            check_shards_exist(self.urls)
+        if not resampled and len({s.weight for s in self.sources}) > 1:
+            raise ValueError("source weights need resampled=True (finite epochs read every shard once)")
+        self.batch_size = batch_size
+        self.resampled = resampled
+        self.equalize = equalize or resampled
+        self._samples_per_epoch = samples_per_epoch
+        self.shuffle = shuffle
+        self.shuffle_buffer = shuffle_buffer if shuffle else 0
+        self.seed = seed
+        self.drop_last = drop_last
+        self.rank, self.world_size = rank, world_size
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank and world_size or neither")
+        self.stats = stats if stats is not None else DataStats(name)
+        self.name = name
+        self._epoch = mp.get_context().Value("q", -1)   # shared with workers; -1 = never set
+        self._local_iters = 0
+        self._dist_snapshot: tuple[int, int] | None = None
+
+    # ----- epochs and distributed setup -------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (changes shard order, shuffles and resampling); visible to running workers."""
+        self._epoch.value = int(epoch)
+
+    def _current_epoch(self) -> int:
+        e = self._epoch.value
+        return e if e >= 0 else self._local_iters
+
+    def rank_world(self) -> tuple[int, int]:
+        """(rank, world size): explicit arguments, else the main-process snapshot, else detected now."""
+        if self.rank is not None:
+            return self.rank, self.world_size  # type: ignore[return-value]
+        if self._dist_snapshot is not None:
+            return self._dist_snapshot
+        return detect_rank_world()
+
+    def __getstate__(self) -> dict:
+        # Pickled in the main process when workers are spawned: record the rank there, because a
+        # spawned worker has no torch.distributed and (under Lightning) no RANK variable.
+        state = self.__dict__.copy()
+        if self.rank is None and state["_dist_snapshot"] is None:
+            state["_dist_snapshot"] = detect_rank_world()
+        return state
+
+    # ----- epoch length -----------------------------------------------------------------------
+    @property
+    def samples_per_epoch(self) -> int:
+        """Items per epoch over all ranks (explicit, else from ``sizes.json``)."""
+        if self._samples_per_epoch is None:
+            self._samples_per_epoch = read_sizes(self.urls)
+        return self._samples_per_epoch
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (exact in quota modes; nominal from sizes.json otherwise)."""
+        _, world = self.rank_world()
+        if self.equalize:
+            return self.samples_per_epoch // (self.batch_size * world)
+        return self._finite_len()
+
+    def _finite_len(self) -> int:
+        rank, world = self.rank_world()
+        n_workers = max(1, getattr(self, "_num_workers_hint", 1))
+        total = 0
+        for w in range(n_workers):
+            n = 0
+            for sl in assign_shards(self.urls, rank, world, w, n_workers):
+                size = read_sizes([sl.url])
+                n += max(0, math.ceil((size - sl.offset) / sl.stride))
+            total += n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        return total
+
+    # ----- iteration --------------------------------------------------------------------------
+    def _resampled_slices(self, rng: random.Random) -> Iterator[ShardSlice]:
+        weights = [s.weight for s in self.sources]
+        while True:
+            src = rng.choices(self.sources, weights=weights)[0]
+            yield ShardSlice(rng.choice(src.urls))
+
+    def _passes(self, mine: list[ShardSlice], rng: random.Random, produced: list[int]) -> Iterator[dict]:
+        """Raw samples of this worker's shards, shuffled within each pass; repeated passes if equalizing.
+
+        Shuffling per pass (not across passes) means a worker yields all of its samples once
+        before it repeats any, whatever the buffer size.
+        """
+        for _ in itertools.count():
+            before = produced[0]
+            order = list(mine)
+            if self.shuffle:
+                rng.shuffle(order)
+            samples = self._raw_samples(iter(order), produced)
+            if self.shuffle_buffer > 1:
+                samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
+            yield from samples
+            if not self.equalize:
+                return
+            if produced[0] == before:
+                raise RuntimeError(f"{self.name}: no sample at all in this worker's shards "
+                                   f"{[s.url for s in mine][:4]}; cannot fill the epoch (see the shard counts)")
+
+    def _raw_samples(self, slices: Iterator[ShardSlice], produced: list[int]) -> Iterator[dict]:
+        barren = 0
+        for sl in slices:
+            before = produced[0]
+            for sample in iter_tar_samples(sl.url, self.stats, sl.offset, sl.stride):
+                produced[0] += 1
+                yield sample
+            barren = barren + 1 if produced[0] == before else 0
+            if self.resampled and barren >= MAX_BARREN_SHARDS:
+                raise RuntimeError(f"{self.name}: {barren} shards in a row gave no usable sample (last: {sl.url})")
+
+    def _process(self, sample: dict) -> Any | None:
+        """Turn one raw sample into an item, or count a skip and return ``None``."""
+        raise NotImplementedError
+
+    def _items(self, samples: Iterator[dict]) -> Iterator[Any]:
+        """Items from raw samples; counts ``samples_in``/``samples_out``."""
+        skips = 0
+        for sample in samples:
+            self.stats.add("samples_in")
+            item = self._process(sample)
+            if item is None:
+                skips += 1
+                self._check_skips(skips)
+                continue
+            skips = 0
+            self.stats.add("samples_out")
+            yield item
+
+    def _check_skips(self, consecutive: int) -> None:
+        if self.equalize and consecutive >= MAX_CONSECUTIVE_SKIPS:
+            raise RuntimeError(f"{self.name}: {consecutive} samples in a row were skipped; giving up "
+                               f"({self.stats.summary()})")
+
+    def _collate(self, items: list[Any]) -> Any:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = self.rank_world()
+        worker, n_workers = worker_id_count()
+        epoch = self._current_epoch()
+        self._local_iters += 1
+        rng = random.Random(worker_seed(self.seed, epoch, rank, worker))
+        produced = [0]
+        if self.resampled:
+            samples = self._raw_samples(self._resampled_slices(rng), produced)
+            if self.shuffle_buffer > 1:
+                samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
+        else:
+            urls = list(self.urls)
+            if self.shuffle:
+                random.Random(worker_seed(self.seed, epoch)).shuffle(urls)  # same order on every rank
+            mine = assign_shards(urls, rank, world, worker, n_workers)
+            samples = self._passes(mine, rng, produced)
+        quota = None
+        if self.equalize:
+            quota = batch_quota(self.samples_per_epoch, self.batch_size, world, n_workers, worker)[1]
+            if quota == 0:
+                return
+        batch: list[Any] = []
+        n_batches = 0
+        for item in self._items(samples):
+            batch.append(item)
+            if len(batch) == self.batch_size:
+                yield self._collate(batch)
+                batch = []
+                n_batches += 1
+                if quota is not None and n_batches >= quota:
+                    return
+        if batch and quota is None and not self.drop_last:
+            yield self._collate(batch)
+
+
+class ShardLoader(DataLoader):
+    """DataLoader for a :class:`ShardStream` (batches come from the workers).
+
+    Each ``iter(loader)`` starts a new epoch: it sets the dataset's epoch (the next integer, or
+    the value given to :meth:`set_epoch`), keeps the last epoch's counters in
+    :attr:`last_epoch_stats` and zeroes the counters.
+    """
+
+    def __init__(self, dataset: ShardStream, num_workers: int = 0, **kwargs: Any) -> None:
+        kwargs.setdefault("persistent_workers", False)
+        kwargs.setdefault("pin_memory", False)
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
+        dataset._num_workers_hint = max(1, num_workers)
+        self._next_epoch = 0
+        self.last_epoch_stats: dict[str, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run epoch ``epoch``."""
+        self._next_epoch = int(epoch)
+
+    def __iter__(self):  # type: ignore[override]
+        ds: ShardStream = self.dataset  # type: ignore[assignment]
+        self.last_epoch_stats = ds.stats.snapshot()
+        ds.stats.reset()
+        ds.set_epoch(self._next_epoch)
+        self._next_epoch += 1
+        return super().__iter__()
+
+
+def to_tensor_batch(rows: list[list[int]]) -> torch.Tensor:
+    """Stack equal-length int lists into a long tensor."""
+    return torch.tensor(rows, dtype=torch.long)

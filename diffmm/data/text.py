@@ -1,0 +1,160 @@
+"""LM batches: raw text documents (``KEY.txt``) -> tokens -> packed fixed-length sequences.
+
+Each document is tokenized and followed by the tokenizer's end-of-document id; the token
+stream of one worker is cut into rows of ``seq_len + 1`` tokens (inputs ``row[:-1]``, targets
+``row[1:]``, see :func:`inputs_targets`). A row may span several documents (packing); the
+tail shorter than a row is dropped when the worker's stream ends.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from diffmm.data.stream import ShardLoader, ShardStream
+from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
+
+TOKENS_FILE = "tokens.json"
+
+
+def inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``(B, seq_len+1)`` rows into inputs ``(B, seq_len)`` and next-token targets ``(B, seq_len)``."""
+    return batch[:, :-1], batch[:, 1:]
+
+
+def read_token_counts(urls: Sequence[str], tokenizer_name: str) -> int | None:
+    """Total tokens (documents + separators) of ``urls`` from ``tokens.json`` files, if recorded for this tokenizer."""
+    total = 0
+    cache: dict[str, dict] = {}
+    for url in urls:
+        directory, name = os.path.split(url)
+        path = os.path.join(directory, TOKENS_FILE)
+        if path not in cache:
+            if not os.path.exists(path):
+                return None
+            with open(path) as f:
+                cache[path] = json.load(f)
+        counts = cache[path].get(tokenizer_name, {})
+        if name not in counts:
+            return None
+        total += int(counts[name])
+    return total
+
+
+class TextDataset(ShardStream):
+    """Batches of packed token rows, long ``(B, seq_len + 1)``.
+
+    Args:
+        urls: shard spec of text shards.
+        batch_size: rows per batch (per rank).
+        seq_len: model context; rows hold ``seq_len + 1`` tokens.
+        tokenizer: an :class:`~diffmm.data.tokenizers.LMTokenizer` or a spec for
+            :func:`~diffmm.data.tokenizers.load_lm_tokenizer` (``"clip"`` or a tokenizer.json path).
+        text_field: document field (file extension).
+        samples_per_epoch: rows per epoch over all ranks; default from ``tokens.json`` (written by
+            ``diffmm shards from-text/demo-text --tokenizer``) as ``tokens // (seq_len + 1)``.
+        **kwargs: :class:`ShardStream` options (``equalize`` defaults to ``train``).
+    """
+
+    def __init__(self, urls: str | Sequence[str], batch_size: int, seq_len: int,
+                 tokenizer: LMTokenizer | str = "clip", text_field: str = "txt", train: bool = True,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("shuffle", train)
+        kwargs.setdefault("equalize", train)
+        kwargs.setdefault("shuffle_buffer", 100)
+        super().__init__(urls, batch_size, **kwargs)
+        self.tokenizer = load_lm_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.seq_len = seq_len
+        self.text_field = text_field
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        """Document separator id."""
+        return self.tokenizer.eos_id
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Rows per epoch over all ranks (explicit or from ``tokens.json``)."""
+        if self._samples_per_epoch is None:
+            tokens = read_token_counts(self.urls, self.tokenizer.name)
+            if tokens is None:
+                raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to the "
+                                 "shards; pass samples_per_epoch= (rows per epoch)")
+            self._samples_per_epoch = tokens // (self.seq_len + 1)
+        return self._samples_per_epoch
+
+    def _items(self, samples: Iterator[dict]) -> Iterator[list[int]]:
+        row_len = self.seq_len + 1
+        buf: list[int] = []
+        skips = 0
+        for sample in samples:
+            self.stats.add("samples_in")
+            where = f"{sample['__url__']}:{sample['__key__']}"
+            if self.text_field not in sample:
+                self.stats.skip("missing_text", where)
+                skips += 1
+                self._check_skips(skips)
+                continue
+            try:
+                text = sample[self.text_field].decode("utf-8")
+            except UnicodeDecodeError as e:
+                self.stats.skip("bad_utf8", where, str(e))
+                skips += 1
+                self._check_skips(skips)
+                continue
+            skips = 0
+            self.stats.add("samples_out")
+            buf.extend(self.tokenizer.encode(text))
+            buf.append(self.tokenizer.eos_id)
+            start = 0
+            while len(buf) - start >= row_len:
+                yield buf[start:start + row_len]
+                start += row_len
+            del buf[:start]
+
+    def _collate(self, items: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(items, dtype=torch.long)
+
+
+def text_loader(urls: str | Sequence[str], batch_size: int, seq_len: int, num_workers: int = 2,
+                **dataset_kwargs: Any) -> ShardLoader:
+    """A :class:`ShardLoader` over a :class:`TextDataset` (kwargs go to the dataset)."""
+    return ShardLoader(TextDataset(urls, batch_size, seq_len, **dataset_kwargs), num_workers=num_workers)
+
+
+def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer) -> dict[str, int]:
+    """Tokens (with one separator per document) of each shard, keyed by file name, for ``tokens.json``."""
+    from diffmm.data.stats import DataStats
+    from diffmm.data.tar_reader import iter_tar_samples
+
+    stats = DataStats("count-tokens")
+    out: dict[str, int] = {}
+    for url in urls:
+        n = 0
+        for sample in iter_tar_samples(url, stats):
+            try:
+                n += len(tokenizer.encode(sample["txt"].decode("utf-8"))) + 1
+            except (KeyError, UnicodeDecodeError):  # the loader skips these documents too
+                continue
+        out[os.path.basename(url)] = n
+    return out
+
+
+def write_token_counts(directory: str, tokenizer: LMTokenizer, counts: dict[str, int]) -> str:
+    """Merge ``counts`` for ``tokenizer`` into ``directory/tokens.json``; returns its path."""
+    path = os.path.join(directory, TOKENS_FILE)
+    data: dict = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[tokenizer.name] = counts
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    return path

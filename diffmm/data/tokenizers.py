@@ -1,0 +1,122 @@
+"""Tokenizers: CLIP BPE for captions; CLIP BPE, local byte-level BPE or any ``tokenizer.json`` for LM text."""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable, Protocol
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+
+def clip_tokenizer(context_length: int = 77):
+    """open_clip's CLIP BPE tokenizer: ``tok(list_of_str) -> LongTensor (B, context_length)``.
+
+    Captions get ``<start_of_text>`` ... ``<end_of_text>`` and zero padding; longer ones are cut
+    with ``<end_of_text>`` kept last. Vocabulary 49408 (ships inside open_clip, no download).
+    """
+    from open_clip.tokenizer import SimpleTokenizer
+
+    return SimpleTokenizer(context_length=context_length)
+
+
+class LMTokenizer(Protocol):
+    """What the text pipeline needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ClipBPE:
+    """The CLIP BPE as an LM tokenizer (lower-cases text, drops some whitespace); eos = ``<end_of_text>``."""
+
+    def __init__(self) -> None:
+        from open_clip.tokenizer import SimpleTokenizer
+
+        self._tok = SimpleTokenizer()
+        self.vocab_size = len(self._tok.encoder)
+        self.eos_id = self._tok.eot_token_id
+        self.name = "clip-bpe"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens)."""
+        return self._tok.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self._tok.decode(ids)
+
+
+class TokenizerFile:
+    """A HuggingFace ``tokenizers`` ``tokenizer.json`` (loaded lazily; pickles as its path).
+
+    Args:
+        path: the ``tokenizer.json`` file.
+        eos_token: separator/end-of-document token; default: the first of :data:`EOS_CANDIDATES` present.
+    """
+
+    def __init__(self, path: str, eos_token: str | None = None) -> None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        self.path = os.path.abspath(path)
+        with open(self.path, "rb") as f:
+            self.name = "tokenizer.json:" + hashlib.sha256(f.read()).hexdigest()[:12]
+        self._tok = None
+        tok = self._load()
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        candidates = [eos_token] if eos_token else list(EOS_CANDIDATES)
+        for cand in candidates:
+            idx = tok.token_to_id(cand)
+            if idx is not None:
+                self.eos_id, self.eos_token = idx, cand
+                break
+        else:
+            raise ValueError(f"{path}: no end-of-document token among {candidates}; pass eos_token=")
+
+    def _load(self):
+        if self._tok is None:
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(self.path)
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self._load().encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self._load().decode(ids)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tok": None}
+
+
+def train_byte_level_bpe(texts: Iterable[str], out_path: str, vocab_size: int = 8192,
+                         eos_token: str = "<|endoftext|>", min_frequency: int = 2) -> TokenizerFile:
+    """Train a byte-level BPE on ``texts`` with ``tokenizers`` and save it as ``out_path`` (tokenizer.json).
+
+    The vocabulary holds the 256 byte symbols, ``eos_token`` and the learned merges, so any text
+    (any UTF-8) encodes without unknown tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tok.save(out_path)
+    return TokenizerFile(out_path, eos_token=eos_token)
+
+
+def load_lm_tokenizer(spec: str) -> LMTokenizer:
+    """``"clip"`` -> :class:`ClipBPE`; a path to a ``tokenizer.json`` (or a folder holding one) -> :class:`TokenizerFile`."""
+    if spec in ("clip", "clip-bpe"):
+        return ClipBPE()
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    return TokenizerFile(path)
