@@ -29,7 +29,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (N,) or (B, N) int -> cos, sin of shape (..., N, 1, dim), ready to broadcast over heads."""
-        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (..., N, dim/2)
+        ct = torch.promote_types(dtype, torch.float32)
+        freqs = positions.to(self.inv_freq.device, ct)[..., None] * self.inv_freq.to(ct)  # (..., N, dim/2)
         emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # (..., N, 1, dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -40,6 +41,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, N, H, dim) by cos/sin (N or B,N, 1, dim); computed in fp32."""
-    xf = x.float()
-    return (xf * cos.float() + rotate_half(xf) * sin.float()).to(x.dtype)
+    """Rotate x (B, N, H, dim) by cos/sin (N or B,N, 1, dim); computed in fp32 (fp64 for fp64 inputs)."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
+    return (xf * cos.to(ct) + rotate_half(xf) * sin.to(ct)).to(x.dtype)

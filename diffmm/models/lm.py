@@ -1,0 +1,357 @@
+"""The DIFF decoder language model and its standard-attention twin (SPEC section 2).
+
+nanoGPT-style: one flat config, pre-RMSNorm blocks ``x += attn(norm(x)); x += SwiGLU(norm(x))``,
+no biases, RoPE on every d-wide query/key component, final RMSNorm, tied or untied LM head.
+``LMConfig.attention`` picks the attention layer (``'diff'``, ``'standard'`` or any key of
+``diffmm.nn.ATTENTION_LAYERS``); every other line is shared by the DIFF model and its baseline.
+
+    >>> model = DiffLM(LMConfig.from_name("diff-tiny"))
+    >>> logits, loss = model(idx, targets)                  # idx, targets: (B, T) long
+    >>> out = model.generate(idx, 32, top_k=50, generator=torch.Generator().manual_seed(0))
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from diffmm.nn import ATTENTION_LAYERS, KVCache, RMSNorm, RotaryEmbedding, SwiGLU, create_attention
+
+
+def swiglu_hidden(n_embd: int, multiple_of: int) -> int:
+    """SwiGLU hidden size: ``8/3 * n_embd`` rounded up to a multiple of ``multiple_of``."""
+    hidden = math.ceil(8 * n_embd / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+@dataclass
+class LMConfig:
+    """Flat config of :class:`DiffLM`.
+
+    Attributes:
+        vocab_size: token vocabulary.
+        block_size: maximum sequence length (prompt + generated tokens; RoPE positions).
+        n_layer: decoder blocks.
+        n_embd: width E.
+        n_head: heads of the STANDARD Transformer at this width (head dim = E / n_head). A
+            differential layer gets ``n_head // 2`` heads, each with two query/key components of that dim.
+        n_kv_head: kv heads of the standard Transformer (GQA); None = n_head. Halved for diff layers.
+        attention: ``'diff'`` | ``'standard'`` | any key of ``diffmm.nn.ATTENTION_LAYERS``.
+        lambda_init: ``'depth'`` (paper: 0.8 - 0.6 exp(-0.3 l)), ``'constant'`` (0.8) or a number.
+        lambda_std: std of the normal init of the lambda vectors.
+        intermediate_size: SwiGLU hidden size; None = 8/3*E rounded up to a multiple of ``mlp_multiple_of``.
+        mlp_multiple_of: rounding of the default SwiGLU hidden size (64: E=128 -> 384, E=2048 -> 5504).
+        rope_theta: RoPE base.
+        norm_eps: eps of every RMSNorm (block norms, final norm, per-head norm of diff layers).
+        tie_embeddings: share the token embedding with the LM head.
+        init_std: std of the normal init of every Linear/Embedding weight; the residual output
+            projections (attention ``out_proj``, MLP ``down_proj``) use ``init_std / sqrt(2 * n_layer)`` (GPT-2).
+        attn_backend: ``diffmm.ops`` backend of every attention layer; None = env / automatic.
+    """
+
+    vocab_size: int = 50304
+    block_size: int = 1024
+    n_layer: int = 12
+    n_embd: int = 768
+    n_head: int = 12
+    n_kv_head: Optional[int] = None
+    attention: str = "diff"
+    lambda_init: Union[str, float] = "depth"
+    lambda_std: float = 0.1
+    intermediate_size: Optional[int] = None
+    mlp_multiple_of: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    attn_backend: Optional[str] = None
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head", "mlp_multiple_of"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LMConfig.{name} must be a positive int; got {value!r}")
+        if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int)
+                                                   or self.intermediate_size <= 0):
+            raise ValueError(f"LMConfig.intermediate_size must be a positive int or None; "
+                             f"got {self.intermediate_size!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"LMConfig: n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"LMConfig: n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"LMConfig: RoPE needs an even head dim; n_embd / n_head = {self.head_dim}")
+        comps = ATTENTION_LAYERS[self.attention][1] if self.attention in ATTENTION_LAYERS else None
+        if comps and (self.n_head % comps or self.n_kv_head % comps):
+            raise ValueError(f"LMConfig: attention {self.attention!r} halves the heads; n_head {self.n_head} and "
+                             f"n_kv_head {self.n_kv_head} must be divisible by {comps}")
+        if isinstance(self.lambda_init, str) and self.lambda_init not in ("depth", "constant"):
+            raise ValueError(f"LMConfig.lambda_init {self.lambda_init!r} is unknown; expected 'depth', "
+                             f"'constant' or a number")
+        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
+            raise ValueError(f"LMConfig: norm_eps, init_std and rope_theta must be > 0; got {self.norm_eps}, "
+                             f"{self.init_std}, {self.rope_theta}")
+
+    @property
+    def head_dim(self) -> int:
+        """Head dim of the standard Transformer = component dim d of the differential layer."""
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.intermediate_size or swiglu_hidden(self.n_embd, self.mlp_multiple_of)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "LMConfig":
+        """A named preset (``diffmm.models.lm_configs.list_lm_configs()``), optionally overridden."""
+        from diffmm.models.lm_configs import LM_CONFIGS
+
+        if name not in LM_CONFIGS:
+            raise ValueError(f"unknown LM config {name!r}; expected one of {', '.join(sorted(LM_CONFIGS))}")
+        return cls.from_dict({**LM_CONFIGS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "LMConfig") -> "LMConfig":
+        """Build from a dict; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown LMConfig field(s) {', '.join(unknown)}; expected some of "
+                             f"{', '.join(sorted(known))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _layer_kwargs(attention: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop the kwargs an attention class does not take (e.g. lambda options for layers without lambdas)."""
+    cls = ATTENTION_LAYERS[attention][0] if attention in ATTENTION_LAYERS else None
+    if cls is None:
+        return kwargs
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+    def __init__(self, cfg: LMConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        kwargs = _layer_kwargs(cfg.attention, dict(
+            layer_idx=layer_idx, lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, causal=True,
+            use_rope=True, norm_eps=cfg.norm_eps, backend=cfg.attn_backend))
+        self.attn = create_attention(cfg.attention, cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head, **kwargs)
+        self.mlp_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: Optional[torch.Tensor],
+                kv_cache: Optional[KVCache]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope=rope, attn_mask=attn_mask, kv_cache=kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DiffLM(nn.Module):
+    """Decoder-only LM with differential (or standard) attention.
+
+    Parameters: ``wte`` (token embedding), ``blocks.{i}.{attn_norm, attn, mlp_norm, mlp}``, ``norm``
+    (final RMSNorm), ``lm_head`` (shares ``wte.weight`` when ``tie_embeddings``).
+    """
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"DiffLM needs an LMConfig; got {type(config).__name__}")
+        self.config = cfg = config
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
+        self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.block_size)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for Linear/Embedding weights, init_std/sqrt(2L) for residual outputs.
+
+        Norm weights stay 1 and lambda vectors keep their N(0, lambda_std) draw from the attention layer.
+        """
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            for proj in (getattr(block.attn, "out_proj", None), block.mlp.down_proj):
+                if proj is not None:
+                    nn.init.normal_(proj.weight, mean=0.0, std=resid_std)
+
+    # ----------------------------------------------------------------------------------- forward
+    def new_kv_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
+        """One preallocated (on first use) :class:`~diffmm.nn.KVCache` per layer, ``max_len`` positions."""
+        max_len = max_len or self.config.block_size
+        if max_len > self.config.block_size:
+            raise ValueError(f"KV cache of {max_len} positions exceeds block_size {self.config.block_size}")
+        return [KVCache(max_len) for _ in self.blocks]
+
+    def forward_hidden(self, idx: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                       kv_caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
+        """Final-norm hidden states (B, T, E); arguments as in :meth:`forward`."""
+        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
+            raise ValueError(f"idx has shape {tuple(idx.shape)} and dtype {idx.dtype}; expected (B, T) integer ids")
+        B, T = idx.shape
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed block_size {self.config.block_size}")
+        if kv_caches is not None:
+            if len(kv_caches) != len(self.blocks):
+                raise ValueError(f"kv_caches has {len(kv_caches)} entries; expected one per layer ({len(self.blocks)})")
+            if kv_caches[0].length != start_pos:
+                raise ValueError(f"start_pos {start_pos} != {kv_caches[0].length} positions already in the KV cache")
+        elif start_pos:
+            raise ValueError(f"start_pos={start_pos} needs kv_caches holding the earlier positions")
+        if attn_mask is not None and (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (B, start_pos + T)):
+            raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype}; expected "
+                             f"bool key padding (B, start_pos + T) = ({B}, {start_pos + T})")
+        positions = torch.arange(start_pos, start_pos + T, device=idx.device)
+        rope = self.rope(positions)  # cos, sin: (T, 1, head_dim) fp32
+        x = self.wte(idx)  # (B, T, E)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, attn_mask, kv_caches[i] if kv_caches is not None else None)
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                attn_mask: Optional[torch.Tensor] = None, kv_caches: Optional[list[KVCache]] = None,
+                start_pos: int = 0):
+        """Next-token logits, and the loss when ``targets`` is given.
+
+        Args:
+            idx: (B, T) token ids at positions ``start_pos .. start_pos + T - 1``.
+            targets: (B, T) next-token ids; -100 = ignore.
+            attn_mask: bool key padding (B, start_pos + T), True where the token takes part (causal
+                masking is always applied on top).
+            kv_caches: one :class:`~diffmm.nn.KVCache` per layer (see :meth:`new_kv_caches`); this
+                call appends its keys/values and attends over everything cached.
+            start_pos: position of ``idx[:, 0]``; must equal the number of cached positions.
+
+        Returns:
+            logits (B, T, vocab) when ``targets`` is None, else ``(logits, loss)`` (mean cross entropy, fp32).
+        """
+        logits = self.lm_head(self.forward_hidden(idx, attn_mask=attn_mask, kv_caches=kv_caches, start_pos=start_pos))
+        if targets is None:
+            return logits
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets has shape {tuple(targets.shape)}; expected {tuple(idx.shape)} like idx")
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    # --------------------------------------------------------------------------------- generate
+    @torch.inference_mode()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, *, greedy: bool = False,
+                 generator: Optional[torch.Generator] = None, eos_id: Optional[int] = None) -> torch.Tensor:
+        """Continue ``idx`` (B, T) by ``max_new_tokens`` tokens using a KV cache per layer.
+
+        Args:
+            temperature: logits are divided by it; 0 means greedy.
+            top_k: sample among the k most likely tokens.
+            top_p: nucleus sampling: the smallest set of tokens whose probability reaches top_p.
+            greedy: take the argmax (ignores temperature, top_k, top_p).
+            generator: a seeded ``torch.Generator`` (on idx's device) for reproducible sampling.
+            eos_id: stop once every row has produced it (rows that finished keep emitting eos_id).
+
+        Returns:
+            (B, T + n) ids, n <= max_new_tokens.
+        """
+        B, T = idx.shape
+        if max_new_tokens <= 0:
+            return idx
+        if T + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds block_size "
+                             f"{self.config.block_size}")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top_k must be positive; got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
+        caches = self.new_kv_caches(T + max_new_tokens)
+        out, pos, step = idx, 0, idx
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            hidden = self.forward_hidden(step, kv_caches=caches, start_pos=pos)  # (B, t, E)
+            logits = self.lm_head(hidden[:, -1]).float()  # (B, vocab)
+            pos += step.shape[1]
+            nxt = sample_next(logits, temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p,
+                              generator=generator)  # (B, 1)
+            if eos_id is not None:
+                nxt = torch.where(done[:, None], torch.full_like(nxt, eos_id), nxt)
+                done |= nxt[:, 0] == eos_id
+            out = torch.cat([out, nxt], dim=1)
+            step = nxt
+            if eos_id is not None and bool(done.all()):
+                break
+        return out
+
+    # ---------------------------------------------------------------------------------- report
+    def param_report(self) -> dict[str, int]:
+        """Parameter counts: embedding (token embedding + untied head), attention, mlp, norm, total, non_embedding.
+
+        Tied weights count once. Works on a model built on the ``meta`` device.
+        """
+        seen: set[int] = set()
+
+        def count(params) -> int:
+            n = 0
+            for p in params:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+            return n
+
+        rep = {"embedding": count([self.wte.weight, self.lm_head.weight])}
+        rep["attention"] = count(p for b in self.blocks for p in b.attn.parameters())
+        rep["mlp"] = count(p for b in self.blocks for p in b.mlp.parameters())
+        rep["norm"] = count(p for m in self.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+        rep["other"] = count(self.parameters())
+        rep["total"] = sum(rep.values())
+        rep["non_embedding"] = rep["total"] - rep["embedding"]
+        if not rep["other"]:
+            del rep["other"]
+        return rep
+
+    def format_param_report(self) -> str:
+        """:meth:`param_report` as an aligned two-column table."""
+        rep = self.param_report()
+        return "\n".join(f"{k:<14}{v:>16,}" for k, v in rep.items())
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next token ids (B, 1) from logits (B, vocab): argmax if temperature == 0, else filtered sampling."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0; got {temperature}")
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # tokens after the nucleus is already full
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
