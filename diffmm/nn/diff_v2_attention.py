@@ -1,0 +1,102 @@
+"""DIFF V2 attention (SPEC section 1b) as a layer with the same interface as :class:`DiffAttention`.
+
+Width conventions (official unilm ``Diff-Transformer-V2``): V2 keeps the baseline Transformer's
+heads, head dim and kv heads, and doubles only the query maps. At width E with H standard heads of
+dim d = E / H, V2 has h = H output heads, 2H query maps of dim d, the same h_kv kv heads, an output
+projection h*d -> E identical to the baseline, and a lambda projection E -> h. So
+``create_attention('diff_v2', E, H)`` builds ``DiffV2Attention(E, H, head_dim=E // H)`` (registry
+``components=1``: no head halving, unlike V1).
+"""
+from __future__ import annotations
+
+from typing import Final, Optional
+
+import torch
+import torch.nn as nn
+
+from diffmm.nn.diff_attention import check_heads
+from diffmm.nn.factory import register_attention
+from diffmm.nn.kv_cache import KVCache
+from diffmm.nn.rope import apply_rope
+from diffmm.ops.diff_v2 import check_v2_heads, diff_v2_attention
+
+
+class DiffV2Attention(nn.Module):
+    """DIFF V2: ``head_i = softmax(Q_2i K^T) V - sigmoid(x W_lambda)_i * softmax(Q_2i+1 K^T) V``.
+
+    Both query maps of head i use the same kv head (i // (h / h_kv)); no per-head RMSNorm, no lambda_init.
+
+    Args:
+        dim: model width E = num_heads * head_dim.
+        num_heads: output heads h (= the baseline Transformer's heads); the layer has 2h query maps.
+        num_kv_heads: kv heads h_kv (GQA); default num_heads. h must be divisible by h_kv.
+        head_dim: d; default dim // num_heads.
+        layer_idx, lambda_init, norm_eps, lambda_std: accepted so one factory call builds any attention
+            type; ignored (V2 has no lambda_init, per-head norm or lambda vectors).
+        qkv_bias / proj_bias: biases of the q/k/v and output projections (lambda_proj never has one).
+        causal: default masking of ``forward``.
+        use_rope: rotate q/k with the ``rope`` passed to ``forward``.
+        backend: standard-attention backend name (``diffmm.ops``); None = env / automatic.
+    """
+
+    use_rope: Final[bool]
+
+    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, layer_idx: int = 0, lambda_init=None, qkv_bias: bool = False,
+                 proj_bias: bool = False, causal: bool = False, use_rope: bool = False, norm_eps: float = 1e-5,
+                 lambda_std: Optional[float] = None, backend: Optional[str] = None, **unused):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if num_heads <= 0 or dim % num_heads:
+                raise ValueError(f"DiffV2Attention: width {dim} is not divisible by num_heads {num_heads}")
+            head_dim = dim // num_heads
+        check_v2_heads(2 * num_heads, num_kv_heads, "DiffV2Attention")
+        check_heads(dim, num_heads, num_kv_heads, head_dim, 1, use_rope, "DiffV2Attention")
+        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
+        h, hk, d = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(dim, 2 * h * d, bias=qkv_bias)  # 2h query maps; maps 2i, 2i+1 belong to head i
+        self.k_proj = nn.Linear(dim, hk * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, hk * d, bias=qkv_bias)
+        self.lambda_proj = nn.Linear(dim, h, bias=False)  # default nn.Linear init, as the official code
+        self.out_proj = nn.Linear(h * d, dim, bias=proj_bias)
+
+    def lambda_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token, per-head lambda logits (B, N, h); ``sigmoid`` of them is the subtracted weight."""
+        return self.lambda_proj(x)
+
+    def forward(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
+                causal: Optional[bool] = None) -> torch.Tensor:
+        """x (B, N, E) -> (B, N, E).
+
+        Args:
+            attn_mask: bool key padding (B, S) or additive float mask (see ``diffmm.ops.diff_v2_attention``);
+                with a KV cache, S counts every cached key.
+            rope: (cos, sin) for the N new positions, from :class:`diffmm.nn.RotaryEmbedding` (dim = head_dim).
+            kv_cache: append this step's keys/values and attend over all of them (inference).
+            causal: override the layer's default.
+        """
+        B, N, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, N, 2 * h, d)  # (B, N, 2h, d)
+        k = self.k_proj(x).view(B, N, hk, d)  # (B, N, h_kv, d)
+        v = self.v_proj(x).view(B, N, hk, d)
+        if self.use_rope:
+            if rope is None:
+                raise ValueError("DiffV2Attention was built with use_rope=True; forward needs rope=(cos, sin)")
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        out = diff_v2_attention(q, k, v, self.lambda_logits(x), causal=self.causal if causal is None else causal,
+                                attn_mask=attn_mask, backend=self.backend)  # (B, N, h, d)
+        return self.out_proj(out.reshape(B, N, h * d))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, query_maps={2 * self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, causal={self.causal}, rope={self.use_rope}")
+
+
+# "num_heads" of create_attention = standard heads at this width = V2 output heads (no halving).
+register_attention("diff_v2", DiffV2Attention, components=1)
