@@ -9,7 +9,9 @@ Two layouts for the differential call:
   equal head dims, so this falls back to the math kernel (an N x S matrix); on CUDA the
   memory-efficient kernel takes it.
 
-``scripts/bench_attention.py`` measures both; ``DEFAULT_LAYOUT`` holds the measured winner per device.
+``scripts/bench_attention.py`` measures both; ``DEFAULT_LAYOUT`` holds the default per device. For a few
+queries (KV-cache decoding, N <= ``PAIR_MAX_QUERIES``) the N x S matrix is tiny and ``split`` would copy the
+whole cache to stack it, so ``pair`` is used there.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from diffmm.ops.epilogue import diff_epilogue
 
 DEFAULT_LAYOUT = {"cpu": "split", "cuda": "split"}
 LAYOUTS = ("split", "pair")
+PAIR_MAX_QUERIES = 16
 
 
 def _sdpa(q, k, v, spec, scale, gqa: bool):
@@ -36,8 +39,10 @@ def _sdpa(q, k, v, spec, scale, gqa: bool):
                                           enable_gqa=gqa)
 
 
-def _layout(device: torch.device, layout: str | None) -> str:
-    layout = layout or os.environ.get("DIFFMM_SDPA_LAYOUT") or DEFAULT_LAYOUT.get(device.type, "split")
+def _layout(device: torch.device, layout: str | None, num_queries: int) -> str:
+    layout = layout or os.environ.get("DIFFMM_SDPA_LAYOUT")
+    if layout is None:
+        layout = "pair" if num_queries <= PAIR_MAX_QUERIES else DEFAULT_LAYOUT.get(device.type, "split")
     if layout not in LAYOUTS:
         raise ValueError(f"sdpa layout {layout!r} is unknown; expected one of {', '.join(LAYOUTS)}")
     return layout
@@ -53,7 +58,7 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
     q1, q2 = qt[:, 0::2], qt[:, 1::2]  # (B, h, N, d)
     k1, k2 = kt[:, 0::2], kt[:, 1::2]  # (B, h_kv, S, d)
     scale, gqa = d ** -0.5, h != h_kv
-    if _layout(q.device, layout) == "split":
+    if _layout(q.device, layout, N) == "split":
         va, vb = vt[..., :d], vt[..., d:]  # (B, h_kv, S, d)
         Q = torch.cat([q1, q1, q2, q2], dim=1)  # (B, 4h, N, d)
         K = torch.cat([k1, k1, k2, k2], dim=1)  # (B, 4h_kv, S, d): block b of Q pairs with block b of K
