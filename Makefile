@@ -23,5 +23,12 @@ test: venv
 test-all: venv
 	$(PY) -m pytest -q -m ''
 
+# The main job (issue 8): demo data, tiny CLIP vs DiffCLIP and Transformer vs DIFF LM over 3 seeds, report/.
+demo: venv
+	$(PY) -m diffmm.cli demo --out report $(DEMO_ARGS)
+
+demo-quick: venv
+	$(PY) -m diffmm.cli demo --quick --out report $(DEMO_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

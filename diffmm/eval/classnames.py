@@ -1,0 +1,117 @@
+"""Class names and prompt templates for zero-shot classification.
+
+Built in: ``imagenet`` class names and the ``openai`` (80) / ``simple`` (2) ImageNet templates,
+taken from ``open_clip.zero_shot_metadata``; ``fashion-mnist`` class names; the ``plain`` template
+``"{}"``. Custom lists come from a file: ``.txt`` (one entry a line; blank lines and ``#`` comments
+skipped) or ``.json`` (a list, an ``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored
+under ``KEY``, e.g. ``data/emoji/classes.json:groups``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable, Sequence, Union
+
+from diffmm.eval.common import EvalError
+
+log = logging.getLogger("diffmm.eval")
+
+Template = Union[str, Callable[[str], str]]
+
+#: Fashion-MNIST labels 0..9, worded for prompts.
+FASHION_MNIST_CLASSNAMES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
+                            "ankle boot")
+
+
+def _builtin_classnames(name: str) -> tuple[str, ...] | None:
+    if name == "imagenet":
+        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+
+        return tuple(IMAGENET_CLASSNAMES)
+    if name in ("fashion-mnist", "fashion_mnist", "fmnist"):
+        return FASHION_MNIST_CLASSNAMES
+    return None
+
+
+def _builtin_templates(name: str) -> tuple[Template, ...] | None:
+    from open_clip import zero_shot_metadata as meta
+
+    return {"openai": tuple(meta.OPENAI_IMAGENET_TEMPLATES), "simple": tuple(meta.SIMPLE_IMAGENET_TEMPLATES),
+            "plain": ("{}",)}.get(name)
+
+
+def read_list(spec: str, what: str) -> list[str]:
+    """Entries of a ``.txt`` / ``.json`` / ``FILE.json:KEY`` list (see module doc)."""
+    path, key = spec, None
+    if not os.path.exists(path) and ".json:" in spec:
+        path, key = spec.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise EvalError(f"{what} file not found: {path}")
+    if path.endswith(".json"):
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise EvalError(f"{path}: not valid JSON ({e})") from None
+        if key is not None:
+            if not isinstance(data, dict) or key not in data:
+                raise EvalError(f"{path}: no key {key!r}; keys are {sorted(data) if isinstance(data, dict) else []}")
+            data = data[key]
+        if isinstance(data, dict):
+            try:
+                items = sorted((int(k), v) for k, v in data.items())
+            except ValueError:
+                raise EvalError(f"{path}: a {what} dict must map integer indices to names; use FILE.json:KEY "
+                                f"to pick a list out of {sorted(data)}") from None
+            if [i for i, _ in items] != list(range(len(items))):
+                raise EvalError(f"{path}: {what} indices must be 0..{len(items) - 1} without gaps")
+            data = [v for _, v in items]
+        if not isinstance(data, list) or not all(isinstance(v, str) for v in data):
+            raise EvalError(f"{spec}: expected a list of strings for the {what}")
+        return list(data)
+    with open(path, encoding="utf-8") as f:
+        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def get_classnames(spec: str | Sequence[str]) -> list[str]:
+    """Class names from a built-in name (``imagenet``, ``fashion-mnist``), a file, or a list."""
+    if isinstance(spec, str):
+        names = _builtin_classnames(spec)
+        names = list(names) if names is not None else read_list(spec, "class names")
+    else:
+        names = list(spec)
+    if not names:
+        raise EvalError(f"class name list {spec if isinstance(spec, str) else ''} is empty")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:  # ImageNet's list has two ("missile", "sunglasses"): legal, but such classes get equal classifiers
+        log.warning(f"class names repeat: {dup[:5]}; those classes get identical zero-shot classifiers")
+    return names
+
+
+def get_templates(spec: str | Sequence[Template]) -> list[Template]:
+    """Templates from a built-in name (``openai``, ``simple``, ``plain``), a file, or a list.
+
+    A string template holds ``{}`` or ``{c}`` where the class name goes; callables take the name.
+    """
+    if isinstance(spec, str):
+        templates = _builtin_templates(spec)
+        templates = list(templates) if templates is not None else read_list(spec, "templates")
+    else:
+        templates = list(spec)
+    where = spec if isinstance(spec, str) else "the template list"
+    if not templates:
+        raise EvalError(f"{where}: the template list is empty; give at least one template such as 'a photo of a {{}}.'")
+    for i, t in enumerate(templates):
+        if isinstance(t, str) and "{}" not in t and "{c}" not in t:
+            raise EvalError(f"{where}: template {i} {t!r} has no {{}} (or {{c}}) where the class name goes")
+        if not isinstance(t, str) and not callable(t):
+            raise EvalError(f"{where}: template {i} is a {type(t).__name__}; expected a string or a callable")
+    return templates
+
+
+def fill_template(template: Template, classname: str) -> str:
+    """The prompt of ``template`` for ``classname``."""
+    if callable(template):
+        return template(classname)
+    return template.replace("{c}", classname) if "{c}" in template else template.format(classname)

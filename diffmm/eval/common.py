@@ -1,0 +1,96 @@
+"""Shared helpers of the evaluations: devices, precision, progress bars and result files."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+from typing import Any, Iterable, Sequence
+
+import torch
+
+
+class EvalError(ValueError):
+    """Bad evaluation input; the message is one line naming the file/field and what was expected."""
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """``None``/``"auto"`` -> cuda if available else cpu."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def autocast(device: torch.device, precision: str = "auto"):
+    """Autocast context for ``precision``: ``auto`` (bf16/fp16 AMP on CUDA, fp32 elsewhere), ``amp``,
+    ``bf16``, ``fp16`` or ``fp32``."""
+    if precision not in ("auto", "amp", "bf16", "fp16", "fp32"):
+        raise EvalError(f"precision {precision!r} is unknown; expected auto, amp, bf16, fp16 or fp32")
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return contextlib.nullcontext()
+    if precision in ("auto", "amp"):
+        dtype = torch.bfloat16 if device.type != "cuda" or torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def progress(iterable: Iterable, *, total: int | None = None, desc: str = "", enable: bool = True, unit: str = "it"):
+    """A tqdm bar on stderr (a plain iterator when disabled)."""
+    if not enable:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> str:
+    """Write ``obj`` as indented JSON (NaN/inf become null); creates parent folders. Returns the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_finite(obj), f, indent=1)
+        f.write("\n")
+    return path
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".2f") -> str:
+    """A GitHub markdown table; floats are formatted with ``floatfmt``."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return format(v, floatfmt) if math.isfinite(v) else "n/a"
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_text(path: str | os.PathLike, text: str) -> str:
+    """Write ``text`` to ``path`` (parent folders created). Returns the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's first parameter or buffer (cpu if it has none)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")

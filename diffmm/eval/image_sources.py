@@ -1,0 +1,227 @@
+"""Labelled image sources for evaluation, all streamed in batches with bounded memory.
+
+* :class:`ImageFolderSource`: ``ROOT/<class>/<image>`` (class index = sorted folder order).
+* :class:`IdxSource`: IDX image + label files (MNIST / Fashion-MNIST), read item by item.
+* :class:`ShardLabelSource`: webdataset shards with a label field (``cls`` or ``json:NAME``).
+
+Each yields ``(images float (B,3,S,S), labels long (B,))`` and counts skipped (unreadable)
+images in :attr:`skipped`; ``num_samples`` (if known) sizes the progress bar.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import Counter
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from diffmm.eval.common import EvalError
+from diffmm.eval.idx import IdxArray, find_idx_pair
+
+log = logging.getLogger("diffmm.eval")
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class _SkipCollate:
+    """Stack the readable items of a batch; pass along what was skipped (``(reason, where)`` tuples)."""
+
+    def __call__(self, items):
+        good = [it for it in items if not isinstance(it, tuple) or it[0] != "__skip__"]
+        skipped = [it[1:] for it in items if isinstance(it, tuple) and it[0] == "__skip__"]
+        if good:
+            images = torch.stack([im for im, _ in good])
+            labels = torch.tensor([lb for _, lb in good], dtype=torch.long)
+        else:
+            images, labels = None, None
+        return images, labels, skipped
+
+
+class _MapSource:
+    """Batches of a map-style dataset whose items are ``(image, label)`` or ``("__skip__", reason, where)``."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, name: str) -> None:
+        self.dataset, self.batch_size, self.num_workers, self.name = dataset, batch_size, num_workers, name
+        self.skipped: Counter = Counter()
+        self.classnames: list[str] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.skipped = Counter()
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                            collate_fn=_SkipCollate(), persistent_workers=False)
+        warned = set()
+        for images, labels, skipped in loader:
+            for reason, where in skipped:
+                self.skipped[reason] += 1
+                if reason not in warned:
+                    warned.add(reason)
+                    log.warning(f"{self.name}: skipped {where} ({reason}); further ones are only counted")
+            if images is not None:
+                yield images, labels
+
+
+class _FolderDataset(Dataset):
+    def __init__(self, files: list[tuple[str, int]], transform: Callable) -> None:
+        self.files, self.transform = files, transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        path, label = self.files[i]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Image.open(path) as img:
+                    img.load()
+                    return self.transform(img), label
+        except Exception as e:  # PIL raises many types on bad files
+            return "__skip__", "unreadable_image", f"{path}: {type(e).__name__}: {e}"
+
+
+class ImageFolderSource(_MapSource):
+    """``root/<class>/<image>`` images; labels follow the sorted class folder names.
+
+    Args:
+        root: the folder.
+        transform: PIL image -> tensor (the model's eval preprocess).
+        classnames: names to use in prompts, one per class folder (default: folder names, ``_`` -> space).
+        batch_size, num_workers: DataLoader settings.
+    """
+
+    def __init__(self, root: str, transform: Callable, classnames: Sequence[str] | None = None,
+                 batch_size: int = 64, num_workers: int = 2) -> None:
+        if not os.path.isdir(root):
+            raise EvalError(f"image folder not found: {root}")
+        folders = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        if not folders:
+            raise EvalError(f"{root}: no class subfolders (expected ROOT/<class>/<image>)")
+        if classnames is not None and len(classnames) != len(folders):
+            raise EvalError(f"{len(classnames)} class names given but {root} has {len(folders)} class subfolders "
+                            f"({', '.join(folders[:6])}{', ...' if len(folders) > 6 else ''})")
+        files = []
+        for label, folder in enumerate(folders):
+            for dirpath, _, names in sorted(os.walk(os.path.join(root, folder))):
+                files += [(os.path.join(dirpath, n), label) for n in sorted(names)
+                          if n.lower().endswith(IMAGE_EXTENSIONS)]
+        if not files:
+            raise EvalError(f"{root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in the class subfolders")
+        super().__init__(_FolderDataset(files, transform), batch_size, num_workers, name=root)
+        self.classnames = list(classnames) if classnames is not None else [f.replace("_", " ") for f in folders]
+        self.folders = folders
+
+
+class _IdxDataset(Dataset):
+    def __init__(self, images: IdxArray, labels: np.ndarray, transform: Callable) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        arr = self.images[i]
+        img = Image.fromarray(np.ascontiguousarray(arr if arr.ndim == 2 else arr.squeeze()))  # uint8 (H, W) -> mode L
+        return self.transform(img), int(self.labels[i])
+
+
+class IdxSource(_MapSource):
+    """IDX images (N, H, W) uint8 and labels (N,) uint8, e.g. Fashion-MNIST.
+
+    Args:
+        images, labels: the two IDX files; or ``folder`` + ``split`` with MNIST file names.
+        transform: PIL image -> tensor.
+        num_classes: if given, every label must be below it (one-line error otherwise).
+    """
+
+    def __init__(self, images: str | None = None, labels: str | None = None, transform: Callable | None = None, *,
+                 folder: str | None = None, split: str = "test", num_classes: int | None = None,
+                 batch_size: int = 64, num_workers: int = 0) -> None:
+        if folder is not None:
+            images, labels = find_idx_pair(folder, split)
+        if images is None or labels is None or transform is None:
+            raise EvalError("IdxSource needs images and labels files (or folder=) and a transform")
+        img = IdxArray(images)
+        lab = IdxArray(labels)
+        if len(img.shape) != 3 or img.dtype != np.uint8:
+            raise EvalError(f"{images}: expected uint8 images of shape (N, H, W); got {img.dtype} {img.shape}")
+        if len(lab.shape) != 1:
+            raise EvalError(f"{labels}: expected labels of shape (N,); got {lab.shape}")
+        if len(img) != len(lab):
+            raise EvalError(f"{images} has {len(img)} images but {labels} has {len(lab)} labels")
+        label_arr = lab.read_all().astype(np.int64)
+        if num_classes is not None and len(label_arr) and int(label_arr.max()) >= num_classes:
+            raise EvalError(f"{labels}: labels go up to {int(label_arr.max())} ({int(label_arr.max()) + 1} classes) "
+                            f"but {num_classes} class names were given")
+        super().__init__(_IdxDataset(img, label_arr, transform), batch_size, num_workers, name=images)
+
+
+class ShardLabelSource:
+    """Webdataset shards with images and an integer label (``diffmm.data.ImageLabelDataset``).
+
+    Args:
+        urls: shard spec (brace expansion allowed).
+        transform: PIL image -> tensor.
+        label_field: ``cls`` or ``json:NAME``.
+    """
+
+    def __init__(self, urls: str | Sequence[str], transform: Callable, label_field: str = "cls",
+                 batch_size: int = 64, num_workers: int = 2) -> None:
+        from diffmm.data.image_text import ImageLabelDataset
+        from diffmm.data.stream import ShardLoader
+
+        try:
+            self.dataset = ImageLabelDataset(urls, batch_size, transform=transform, label_field=label_field,
+                                             train=False, shuffle=False, equalize=False, name="eval")
+        except (FileNotFoundError, ValueError) as e:
+            raise EvalError(f"shards {urls}: {e}") from None
+        self.loader = ShardLoader(self.dataset, num_workers=num_workers)
+        self.skipped: Counter = Counter()
+        self.classnames: list[str] | None = None
+        self.name = str(urls)
+
+    @property
+    def num_samples(self) -> int | None:
+        from diffmm.data.urls import read_sizes
+
+        try:
+            return int(read_sizes(self.dataset.urls))
+        except Exception:  # no sizes.json: the progress bar has no total
+            return None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.skipped = Counter()
+        yield from self.loader
+        snap = self.dataset.stats.snapshot()
+        self.skipped = Counter({k[len("skip_"):]: v for k, v in snap.items() if k.startswith("skip_") and v})
+        for k in ("shards_failed", "shards_truncated"):
+            if snap.get(k):
+                self.skipped[k] = snap[k]
+
+
+def open_image_source(spec: str, transform: Callable, *, classnames: Sequence[str] | None = None,
+                      label_field: str = "cls", split: str = "test", batch_size: int = 64,
+                      num_workers: int = 2) -> _MapSource | ShardLabelSource:
+    """Pick the source for ``spec``: a folder of IDX files, an image folder, or a shard spec (``.tar``).
+
+    ``idx:FOLDER`` forces IDX; a folder holding ``*-idx3-ubyte[.gz]`` files is IDX too.
+    """
+    if spec.startswith("idx:"):
+        return IdxSource(transform=transform, folder=spec[4:], split=split, batch_size=batch_size,
+                         num_workers=num_workers, num_classes=len(classnames) if classnames else None)
+    if os.path.isdir(spec):
+        if any(n.endswith(("idx3-ubyte", "idx3-ubyte.gz")) for n in os.listdir(spec)):
+            return IdxSource(transform=transform, folder=spec, split=split, batch_size=batch_size,
+                             num_workers=num_workers, num_classes=len(classnames) if classnames else None)
+        return ImageFolderSource(spec, transform, classnames, batch_size=batch_size, num_workers=num_workers)
+    if ".tar" in spec or spec.startswith("pipe:"):
+        return ShardLabelSource(spec, transform, label_field, batch_size=batch_size, num_workers=num_workers)
+    raise EvalError(f"dataset {spec!r}: not a folder, idx:FOLDER or a .tar shard spec")

@@ -1,0 +1,264 @@
+"""Multi-needle retrieval (DIFF Transformer paper, section 3.4) and the attention it spends on the answer.
+
+A haystack of real text (e.g. the Python 3.11 docs) of ``context_length`` tokens holds N needles
+``"The magic number of <city> is <number>."``. R of them, the queried ones, sit together at a given
+depth (0 = start, 1 = end of the haystack); the other N - R are distractors at random places. For
+each queried needle the prompt ends with ``"What is the magic number of <city>? The magic number of
+<city> is"`` and the model decodes greedily; it scores if the number appears in its answer.
+Accuracy is reported per depth and overall.
+
+:func:`answer_attention` measures, for the last prompt position, the share of attention (per
+layer and head, ``A`` or ``A1 - lambda*A2``) that falls on the queried needle's tokens.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
+from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.lm_utils import context_limit, greedy_generate
+
+CITIES = ("Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Dublin", "Cairo", "Quito", "Vienna", "Manila", "Dakar",
+          "Helsinki", "Bogota", "Tbilisi", "Accra", "Riga", "Santiago", "Kyoto", "Warsaw", "Havana", "Tunis",
+          "Zagreb", "Montreal", "Jakarta", "Lagos", "Prague", "Muscat", "Perth", "Sofia", "Rabat", "Tallinn",
+          "Seoul", "Athens", "Denver", "Kampala", "Bergen", "Porto", "Osaka", "Madrid", "Minsk")
+NEEDLE = "The magic number of {key} is {value}."
+QUESTION = "What is the magic number of {key}? The magic number of {key} is"
+
+
+@dataclass
+class NeedleConfig:
+    """Settings of a multi-needle run (paper: N in 1..8, R in 1..2, 4K-64K contexts)."""
+
+    context_length: int = 4096
+    num_needles: int = 6
+    num_queried: int = 2
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    trials: int = 10
+    digits: int = 7
+    max_new_tokens: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.num_queried <= self.num_needles:
+            raise EvalError(f"needle: need 1 <= R (num_queried={self.num_queried}) <= N (num_needles={self.num_needles})")
+        if self.num_needles > len(CITIES):
+            raise EvalError(f"needle: at most {len(CITIES)} needles")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise EvalError(f"needle: depths must lie in [0, 1]; got {self.depths}")
+
+
+def load_haystack(paths: str | Sequence[str], max_chars: int = 2_000_000) -> list[str]:
+    """Sentences of real text from files or folders (``*.txt`` files, recursively, in sorted order)."""
+    files: list[str] = []
+    for p in [paths] if isinstance(paths, str) else paths:
+        if os.path.isdir(p):
+            for root, _, names in sorted(os.walk(p)):
+                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".txt")]
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise EvalError(f"haystack: no such file or folder: {p}")
+    text, n = [], 0
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            t = fh.read()
+        text.append(t)
+        n += len(t)
+        if n >= max_chars:
+            break
+    return split_sentences("\n".join(text))
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences (split after . ! ? and at blank lines), whitespace collapsed, empty ones dropped."""
+    parts = re.split(r"(?<=[.!?])\s+|\n\s*\n", text)
+    out = [" ".join(p.split()) for p in parts]
+    out = [s for s in out if s]
+    if not out:
+        raise EvalError("haystack: the text has no sentences")
+    return out
+
+
+@dataclass
+class NeedlePrompt:
+    """One prompt: tokens, the queried key/value and where its needle sits (token span, depth)."""
+
+    tokens: list[int]
+    key: str
+    value: str
+    span: tuple[int, int]
+    depth: float
+    target_depth: float
+
+
+class NeedleBuilder:
+    """Builds prompts from a haystack with a tokenizer (``encode`` / ``decode``)."""
+
+    def __init__(self, tokenizer, sentences: Sequence[str], cfg: NeedleConfig) -> None:
+        self.tok, self.sentences, self.cfg = tokenizer, list(sentences), cfg
+        self._cache: dict[int, list[int]] = {}
+
+    def _sent(self, i: int) -> list[int]:
+        i %= len(self.sentences)
+        if i not in self._cache:
+            self._cache[i] = self.tok.encode(" " + self.sentences[i])
+        return self._cache[i]
+
+    def trial(self, depth: float, rng: random.Random) -> list[NeedlePrompt]:
+        """The R prompts of one trial (same haystack and needles, one question each)."""
+        cfg = self.cfg
+        keys = rng.sample(CITIES, cfg.num_needles)
+        values = [str(rng.randrange(10 ** (cfg.digits - 1), 10 ** cfg.digits)) for _ in keys]
+        needles = [self.tok.encode(" " + NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values)]
+        questions = [self.tok.encode(" " + QUESTION.format(key=k)) for k in keys[:cfg.num_queried]]
+        budget = cfg.context_length - sum(map(len, needles)) - max(map(len, questions))
+        if budget < 1:
+            raise EvalError(f"needle: context_length {cfg.context_length} leaves no room for a haystack")
+        hay, i = [], rng.randrange(len(self.sentences))
+        used = 0
+        while len(hay) < 10 * len(self.sentences):
+            s = self._sent(i)
+            if used + len(s) > budget:
+                break
+            hay.append(s)
+            used += len(s)
+            i += 1
+        if not hay:
+            raise EvalError(f"needle: no haystack sentence fits {budget} tokens; raise context_length")
+        bounds = np.cumsum([0] + [len(s) for s in hay])  # token offsets of the sentence boundaries
+        at = int(np.argmin(np.abs(bounds - depth * used)))  # boundary for the queried needles
+        slots: dict[int, list[int]] = {at: list(range(cfg.num_queried))}
+        rng_order = slots[at]
+        rng.shuffle(rng_order)
+        for j in range(cfg.num_queried, cfg.num_needles):
+            slots.setdefault(rng.randrange(len(hay) + 1), []).append(j)
+        seq: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for b in range(len(hay) + 1):
+            for j in slots.get(b, []):
+                spans[j] = (len(seq), len(seq) + len(needles[j]))
+                seq += needles[j]
+            if b < len(hay):
+                seq += hay[b]
+        real_depth = float(bounds[at] / used) if used else 0.0
+        return [NeedlePrompt(seq + questions[r], keys[r], values[r], spans[r], real_depth, depth)
+                for r in range(cfg.num_queried)]
+
+
+@dataclass
+class NeedleResult:
+    """Accuracy per target depth (fraction of queried needles answered), plus attention shares if measured."""
+
+    config: dict
+    accuracy_by_depth: dict[float, float]
+    attention_by_depth: dict[float, float] = field(default_factory=dict)
+    prompts: int = 0
+    seconds: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return float(np.mean(list(self.accuracy_by_depth.values())))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["accuracy"] = self.accuracy
+        d["accuracy_by_depth"] = {str(k): v for k, v in self.accuracy_by_depth.items()}
+        d["attention_by_depth"] = {str(k): v for k, v in self.attention_by_depth.items()}
+        return d
+
+    def to_markdown(self, name: str = "model") -> str:
+        depths = sorted(self.accuracy_by_depth)
+        rows = [[name, *[self.accuracy_by_depth[dp] for dp in depths], self.accuracy]]
+        if self.attention_by_depth:
+            rows.append([f"{name}: attention on needle", *[self.attention_by_depth.get(dp, float("nan"))
+                                                           for dp in depths], float(np.mean(
+                                                               list(self.attention_by_depth.values())))])
+        c = self.config
+        return (f"Multi-needle retrieval, {c['context_length']} tokens, N={c['num_needles']}, R={c['num_queried']}, "
+                f"{c['trials']} trials per depth\n\n"
+                + markdown_table(["", *[f"depth {100 * dp:.0f}%" for dp in depths], "mean"], rows))
+
+
+def _answered(tokenizer, generated: list[int], value: str) -> bool:
+    text = tokenizer.decode(generated) if generated else ""
+    return value in re.sub(r"\s+", "", text)
+
+
+@torch.no_grad()
+def answer_attention(model, tokens: Sequence[int], span: tuple[int, int], *, query_pos: int = -1) -> dict:
+    """Share of attention of position ``query_pos`` on ``tokens[span[0]:span[1]]``.
+
+    Per layer and head, ``share = sum(a[span]) / sum(a)`` where ``a`` is the head's attention row
+    (``A``; ``A1 - lambda*A2`` for DIFF layers, whose rows sum to 1 - lambda). Returns the mean over
+    all layers and heads (``answer``), ``noise = 1 - answer`` and per-layer means.
+    """
+    device = model_device(model)
+    per_layer: list[float] = []
+
+    def take(rec: AttentionRecord) -> None:
+        row = rec.select_queries(slice(query_pos, None) if query_pos == -1 else slice(query_pos, query_pos + 1))
+        a = row.maps()[0, :, 0]  # (h, S)
+        share = a[:, span[0]:span[1]].sum(-1) / a.sum(-1)
+        per_layer.append(float(share.mean()))
+
+    idx = torch.tensor(list(tokens), device=device)[None]
+    with AttentionRecorder(model, on_record=take):
+        model(idx)
+    if not per_layer:
+        raise EvalError("answer_attention: the model has no attention layer the recorder knows")
+    answer = float(np.mean(per_layer))
+    return {"answer": answer, "noise": 1.0 - answer, "per_layer": per_layer}
+
+
+def multi_needle(model, tokenizer, haystack: Sequence[str], cfg: NeedleConfig, *, measure_attention: bool = False,
+                 show_progress: bool = True) -> NeedleResult:
+    """Run the multi-needle test (see module doc). ``haystack``: sentences from :func:`load_haystack`."""
+    limit = context_limit(model)
+    if limit is not None and cfg.context_length + cfg.max_new_tokens > limit:
+        raise EvalError(f"needle: context_length {cfg.context_length} + {cfg.max_new_tokens} new tokens exceeds "
+                        f"the model's {limit} positions")
+    builder = NeedleBuilder(tokenizer, haystack, cfg)
+    rng = random.Random(cfg.seed)
+    stop = (tokenizer.eos_id,) if getattr(tokenizer, "eos_id", None) is not None else ()
+    acc: dict[float, float] = {}
+    att: dict[float, float] = {}
+    n_prompts = 0
+    t0 = time.perf_counter()
+    bar = progress(None, total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles",
+                   enable=show_progress, unit="prompt") if show_progress else None
+    for depth in cfg.depths:
+        hits, shares = [], []
+        for _ in range(cfg.trials):
+            for p in builder.trial(depth, rng):
+                gen = greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop)
+                hits.append(_answered(tokenizer, gen, p.value))
+                if measure_attention:
+                    shares.append(answer_attention(model, p.tokens, p.span)["answer"])
+                n_prompts += 1
+                if bar is not None:
+                    bar.update(1)
+        acc[depth] = float(np.mean(hits))
+        if shares:
+            att[depth] = float(np.mean(shares))
+    if bar is not None:
+        bar.close()
+    return NeedleResult(asdict(cfg), acc, att, n_prompts, time.perf_counter() - t0)
+
+
+def needle_sweep(model, tokenizer, haystack: Sequence[str], context_lengths: Iterable[int], base: NeedleConfig,
+                 **kwargs) -> dict[int, NeedleResult]:
+    """:func:`multi_needle` at several context lengths (same N, R, depths and trials)."""
+    out = {}
+    for L in context_lengths:
+        cfg = NeedleConfig(**{**asdict(base), "context_length": int(L)})
+        out[int(L)] = multi_needle(model, tokenizer, haystack, cfg, **kwargs)
+    return out

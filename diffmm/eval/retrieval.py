@@ -1,0 +1,143 @@
+"""Image-text retrieval: image->text and text->image recall@K on image-text shards.
+
+An image may have several captions: the lines of ``KEY.txt`` (default) or a list in a JSON field
+(``caption_field="json:captions"``). Text->image: a caption scores if its image is among the K most
+similar images. Image->text: an image scores if any of its captions is among the K most similar
+captions (the CLIP / CLIP_benchmark definition). Embeddings (not images) of the whole set are kept;
+similarities are computed in chunks.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.zeroshot import encode_images, encode_texts
+
+
+def parse_captions(sample: dict, field: str) -> list[str]:
+    """Captions of a raw webdataset sample: lines of a text field, or a JSON ``json:NAME`` (str or list)."""
+    if field.startswith("json:"):
+        value = json.loads(sample["json"])[field[len("json:"):]]
+        caps = [value] if isinstance(value, str) else list(value)
+    else:
+        caps = sample[field].decode("utf-8").splitlines()
+    caps = [c.strip() for c in caps if isinstance(c, str) and c.strip()]
+    if not caps:
+        raise ValueError("no caption")
+    return caps
+
+
+def _captions_dataset(urls, batch_size: int, transform: Callable, caption_field: str):
+    from diffmm.data.image_text import decode_image
+    from diffmm.data.stream import ShardStream
+
+    class ImageCaptionsDataset(ShardStream):
+        """Batches ``(images (B,3,S,S), captions list[list[str]])``; each sample read once."""
+
+        def _process(self, sample: dict):
+            where = f"{sample['__url__']}:{sample['__key__']}"
+            try:
+                caps = parse_captions(sample, caption_field)
+            except (KeyError, ValueError, UnicodeDecodeError) as e:
+                self.stats.skip("missing_text", where, f"{caption_field}: {type(e).__name__}: {e}")
+                return None
+            img = decode_image(sample, self.stats, where)
+            if img is None:
+                return None
+            try:
+                return transform(img), caps
+            except Exception as e:  # transform failures count as corrupt images
+                self.stats.skip("corrupt_image", where, f"transform failed: {type(e).__name__}: {e}")
+                return None
+
+        def _collate(self, items):
+            return torch.stack([im for im, _ in items]), [c for _, c in items]
+
+    return ImageCaptionsDataset(urls, batch_size, shuffle=False, equalize=False, name="retrieval")
+
+
+def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, text_to_image: torch.Tensor,
+                ks: Sequence[int] = (1, 5, 10), chunk: int = 1024) -> dict[str, float]:
+    """Recall@K both ways from normalised embeddings; ``text_to_image[t]`` = index of caption t's image."""
+    n_img, n_txt = image_emb.shape[0], text_emb.shape[0]
+    kmax_i, kmax_t = min(max(ks), n_img), min(max(ks), n_txt)
+    t2i_rank = torch.empty(n_txt, dtype=torch.long)  # rank of the right image for each caption (0 = first)
+    for s in range(0, n_txt, chunk):
+        sims = text_emb[s:s + chunk] @ image_emb.T  # (c, n_img)
+        top = sims.topk(kmax_i, dim=1).indices
+        hit = top == text_to_image[s:s + chunk, None]
+        t2i_rank[s:s + chunk] = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], kmax_i,
+                                                                                               dtype=torch.long))
+    i2t_rank = torch.empty(n_img, dtype=torch.long)  # best rank of any of the image's captions
+    for s in range(0, n_img, chunk):
+        sims = image_emb[s:s + chunk] @ text_emb.T  # (c, n_txt)
+        top = sims.topk(kmax_t, dim=1).indices
+        hit = text_to_image[top] == torch.arange(s, s + sims.shape[0])[:, None]
+        i2t_rank[s:s + chunk] = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], kmax_t,
+                                                                                               dtype=torch.long))
+    out = {}
+    for k in ks:
+        out[f"image_to_text_R@{k}"] = float((i2t_rank < k).float().mean())
+        out[f"text_to_image_R@{k}"] = float((t2i_rank < k).float().mean())
+    return out
+
+
+@torch.no_grad()
+def evaluate_retrieval(model, tokenizer, batches: Iterable[tuple[torch.Tensor, list[list[str]]]], *,
+                       ks: Sequence[int] = (1, 5, 10), precision: str = "auto", show_progress: bool = True,
+                       total: int | None = None, max_batches: int | None = None) -> dict[str, Any]:
+    """Embed images and their captions batch by batch, then compute :func:`recall_at_k`."""
+    device = model_device(model)
+    imgs, txts, owner = [], [], []
+    n_img = 0
+    t0 = time.perf_counter()
+    bar = progress(None, total=total, desc="retrieval", enable=show_progress, unit="img") if show_progress else None
+    for b, (images, captions) in enumerate(batches):
+        if max_batches is not None and b >= max_batches:
+            break
+        imgs.append(encode_images(model, images, precision=precision).cpu())
+        flat = [c for caps in captions for c in caps]
+        txts.append(encode_texts(model, tokenizer, flat, device=device, precision=precision).cpu())
+        owner += [n_img + i for i, caps in enumerate(captions) for _ in caps]
+        n_img += len(captions)
+        if bar is not None:
+            bar.update(len(captions))
+    if bar is not None:
+        bar.close()
+    if not n_img:
+        raise EvalError("retrieval: no image-caption pair was read (see the skip counts in the log)")
+    out: dict[str, Any] = recall_at_k(torch.cat(imgs), torch.cat(txts), torch.tensor(owner), ks)
+    out.update(images=n_img, texts=len(owner), seconds=time.perf_counter() - t0)
+    return out
+
+
+def retrieval_on_shards(model, tokenizer, urls, transform: Callable, *, caption_field: str = "txt",
+                        batch_size: int = 64, num_workers: int = 2, **kwargs) -> dict[str, Any]:
+    """:func:`evaluate_retrieval` over image-text shards; adds the data counters (skips) to the result."""
+    from diffmm.data.stream import ShardLoader
+    from diffmm.data.urls import read_sizes
+
+    try:
+        ds = _captions_dataset(urls, batch_size, transform, caption_field)
+    except (FileNotFoundError, ValueError) as e:
+        raise EvalError(f"shards {urls}: {e}") from None
+    try:
+        total = int(read_sizes(ds.urls))
+    except Exception:  # no sizes.json
+        total = None
+    out = evaluate_retrieval(model, tokenizer, ShardLoader(ds, num_workers=num_workers), total=total, **kwargs)
+    snap = ds.stats.snapshot()
+    out["skipped"] = {k[5:]: v for k, v in snap.items() if k.startswith("skip_") and v}
+    return out
+
+
+def retrieval_markdown(results: dict[str, dict], ks: Sequence[int] = (1, 5, 10)) -> str:
+    """One row per model: image->text and text->image recall@K in %."""
+    head = ["model", *[f"I->T R@{k}" for k in ks], *[f"T->I R@{k}" for k in ks], "images", "captions"]
+    rows = [[name, *[100 * r[f"image_to_text_R@{k}"] for k in ks], *[100 * r[f"text_to_image_R@{k}"] for k in ks],
+             r["images"], r["texts"]] for name, r in results.items()]
+    return markdown_table(head, rows)

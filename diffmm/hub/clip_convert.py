@@ -1,0 +1,232 @@
+"""State-dict conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout.
+
+diffmm's ``DiffCLIP`` state dict *is* the official DiffCLIP layout (SPEC section 3) without the DDP
+``module.`` prefix, so the official format needs only prefix stripping. open_clip and timm keep q/k/v in one
+fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which splits into
+``q_proj`` / ``k_proj`` / ``v_proj``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg
+
+Tensor = torch.Tensor
+# open_clip vision block names -> diffmm / timm / official DiffCLIP names
+VISION_BLOCK_RENAMES = {"ln_1.": "norm1.", "ln_2.": "norm2.", "mlp.c_fc.": "mlp.fc1.", "mlp.c_proj.": "mlp.fc2."}
+
+
+def _split_qkv(sd: dict, out: dict, w_key: str, b_key: Optional[str], dst: str, where: str) -> None:
+    w = sd.pop(w_key)
+    if w.shape[0] % 3:
+        raise KeyError(f"{where}: {w_key} has shape {tuple(w.shape)}; expected 3 * width rows (q, k, v)")
+    for name, part in zip(("q_proj", "k_proj", "v_proj"), w.chunk(3, dim=0)):
+        out[f"{dst}.{name}.weight"] = part.contiguous()
+    if b_key is not None and b_key in sd:
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), sd.pop(b_key).chunk(3, dim=0)):
+            out[f"{dst}.{name}.bias"] = part.contiguous()
+
+
+def open_clip_to_diffmm(sd: dict[str, Tensor], *, source: str = "open_clip checkpoint") -> dict[str, Tensor]:
+    """open_clip ``CLIP`` state dict (ViT image tower, text Transformer) -> diffmm ``DiffCLIP`` state dict.
+
+    Unknown keys are kept under their name, so a strict load afterwards names them.
+    """
+    sd = {(k[len("text."):] if k.startswith("text.") else k): v for k, v in sd.items()}  # CustomTextCLIP
+    out: dict[str, Tensor] = {}
+    renames = {
+        "visual.conv1.weight": "visual.patch_embed.proj.weight",
+        "visual.ln_pre.weight": "visual.norm_pre.weight", "visual.ln_pre.bias": "visual.norm_pre.bias",
+        "visual.ln_post.weight": "visual.norm.weight", "visual.ln_post.bias": "visual.norm.bias",
+        "visual.proj": "image_projection",
+    }
+    if "visual.class_embedding" in sd:
+        out["visual.cls_token"] = sd.pop("visual.class_embedding").reshape(1, 1, -1)
+    if "visual.positional_embedding" in sd:
+        out["visual.pos_embed"] = sd.pop("visual.positional_embedding").unsqueeze(0)
+    block = re.compile(r"^(visual\.transformer|transformer)\.resblocks\.(\d+)\.(.+)$")
+    for key in list(sd):
+        if key in renames:
+            out[renames[key]] = sd.pop(key)
+            continue
+        m = block.match(key)
+        if not m:
+            continue
+        tower, i, rest = m.groups()
+        if tower == "visual.transformer":
+            dst = f"visual.blocks.{i}"
+            for a, b in VISION_BLOCK_RENAMES.items():
+                if rest.startswith(a):
+                    rest = b + rest[len(a):]
+        else:
+            dst = f"transformer.resblocks.{i}"
+        if rest == "attn.in_proj_weight":
+            _split_qkv(sd, out, key, key.replace("in_proj_weight", "in_proj_bias"), f"{dst}.attn", source)
+        elif rest == "attn.in_proj_bias":
+            continue  # consumed with the weight
+        else:
+            out[f"{dst}.{rest}"] = sd.pop(key)
+    out.update(sd)  # text embeddings, ln_final, text_projection, logit_scale, and anything unknown
+    return out
+
+
+def timm_vit_to_diffmm(sd: dict[str, Tensor], *, prefix: str = "visual.", drop_head: bool = True,
+                       source: str = "timm checkpoint") -> dict[str, Tensor]:
+    """timm ``VisionTransformer`` state dict -> diffmm ``VisionTransformer`` keys (under ``prefix``).
+
+    timm's fused ``attn.qkv`` splits into q/k/v and ``attn.proj`` becomes ``out_proj``; a diffmm-attention timm
+    model (``timm.create_model('diffmm_...')``) already uses diffmm's names. The classifier ``head.*`` is
+    dropped when ``drop_head``.
+    """
+    out: dict[str, Tensor] = {}
+    sd = dict(sd)
+    qkv = re.compile(r"^blocks\.(\d+)\.attn\.qkv\.weight$")
+    for key in [k for k in sd if qkv.match(k)]:  # fused q/k/v (and their biases) first
+        _split_qkv(sd, out, key, key.replace(".weight", ".bias"), f"{prefix}blocks.{qkv.match(key).group(1)}.attn",
+                   source)
+    for key in list(sd):
+        if drop_head and key.startswith("head."):
+            sd.pop(key)
+            continue
+        new = re.sub(r"^(blocks\.\d+\.attn)\.proj\.", r"\1.out_proj.", key)
+        new = re.sub(r"^(blocks\.\d+\.attn)\.sub_norm\.", r"\1.diff_norm.", new)  # timm DiffAttention
+        out[prefix + new] = sd.pop(key)
+    return out
+
+
+def diffmm_vit_to_timm(sd: dict[str, Tensor], *, prefix: str = "visual.") -> dict[str, Tensor]:
+    """diffmm image-tower keys -> the keys of the matching ``timm.create_model('diffmm_...')`` model."""
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+def strip_module(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Remove DDP's ``module.`` prefix from every key that has it."""
+    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+
+
+def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tensor]:
+    """Split any open_clip-style ``attn.in_proj_weight`` left in a DiffCLIP-layout dict (e.g. a standard text
+    tower saved as ``nn.MultiheadAttention``) into q/k/v."""
+    out: dict[str, Tensor] = {}
+    sd = dict(sd)
+    for key in [k for k in sd if k.endswith("attn.in_proj_weight")]:
+        _split_qkv(sd, out, key, key.replace("in_proj_weight", "in_proj_bias"), key[:-len(".in_proj_weight")], source)
+    out.update(sd)
+    return out
+
+
+def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant", source: str = "checkpoint") -> CLIPConfig:
+    """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
+
+    Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
+    lambda vectors is standard attention with 64-wide heads unless ``head_width`` can be read otherwise.
+    """
+    def need(key: str) -> Tensor:
+        if key not in sd:
+            raise KeyError(f"{source}: missing key {key} (not a DiffCLIP-layout checkpoint)")
+        return sd[key]
+
+    def count(pattern: str) -> int:
+        idx = {int(m.group(1)) for k in sd for m in [re.match(pattern, k)] if m}
+        return max(idx) + 1 if idx else 0
+
+    patch_w = need("visual.patch_embed.proj.weight")  # (W, 3, p, p)
+    vw, p = patch_w.shape[0], patch_w.shape[-1]
+    n_tok = need("visual.pos_embed").shape[1]
+    grid = int(round((n_tok - 1) ** 0.5))
+    if grid * grid != n_tok - 1:
+        raise KeyError(f"{source}: visual.pos_embed has {n_tok} tokens; expected 1 + a square number of patches")
+    v_layers = count(r"^visual\.blocks\.(\d+)\.")
+    v_diff = "visual.blocks.0.attn.lambda_q1" in sd
+    v_head = sd["visual.blocks.0.attn.lambda_q1"].shape[0] if v_diff else 64
+    fc1 = need("visual.blocks.0.mlp.fc1.weight")
+    vision = VisionCfg(image_size=grid * p, patch_size=p, width=vw, layers=v_layers, head_width=v_head,
+                       mlp_ratio=fc1.shape[0] / vw, attn_type="diff" if v_diff else "standard", lambda_init=lambda_init,
+                       pre_norm="visual.norm_pre.weight" in sd,
+                       patch_bias="visual.patch_embed.proj.bias" in sd)
+    ctx, tw = need("positional_embedding").shape
+    t_diff = "transformer.resblocks.0.attn.lambda_q1" in sd
+    t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else 64
+    c_fc = need("transformer.resblocks.0.mlp.c_fc.weight")
+    text = TextCfg(context_length=ctx, vocab_size=need("token_embedding.weight").shape[0], width=tw,
+                   heads=max(tw // t_head, 1), layers=count(r"^transformer\.resblocks\.(\d+)\."),
+                   mlp_ratio=c_fc.shape[0] / tw, attn_type="diff" if t_diff else "standard", lambda_init=lambda_init)
+    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=vision, text_cfg=text)
+    cfg.validate(source)
+    return cfg
+
+
+def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,
+                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> CLIPConfig:
+    """A diffmm config (standard attention, open_clip layout) from the shapes of an open_clip CLIP state dict.
+
+    Shapes do not tell the number of heads or the activation: pass ``head_width`` / ``text_head_width`` /
+    ``quick_gelu`` (or load with ``model_name=`` / an ``open_clip_config.json``) when they differ from
+    open_clip's defaults (64-wide heads, GELU).
+    """
+    from diffmm.models.clip.config import from_open_clip_config
+
+    def need(key: str) -> Tensor:
+        if key not in sd:
+            raise KeyError(f"{source}: missing key {key} (not an open_clip ViT CLIP checkpoint)")
+        return sd[key]
+
+    def count(prefix: str) -> int:
+        idx = {int(m.group(1)) for k in sd for m in [re.match(re.escape(prefix) + r"(\d+)\.", k)] if m}
+        return max(idx) + 1 if idx else 0
+
+    conv = need("visual.conv1.weight")  # (W, 3, p, p)
+    vw, p = conv.shape[0], conv.shape[-1]
+    grid = int(round((need("visual.positional_embedding").shape[0] - 1) ** 0.5))
+    ctx, tw = need("positional_embedding").shape
+    oc = {
+        "embed_dim": need("text_projection").shape[1],
+        "quick_gelu": quick_gelu,
+        "vision_cfg": {"image_size": grid * p, "patch_size": p, "width": vw, "head_width": head_width,
+                       "layers": count("visual.transformer.resblocks."),
+                       "mlp_ratio": need("visual.transformer.resblocks.0.mlp.c_fc.weight").shape[0] / vw,
+                       "no_ln_pre": "visual.ln_pre.weight" not in sd},
+        "text_cfg": {"context_length": ctx, "vocab_size": need("token_embedding.weight").shape[0], "width": tw,
+                     "heads": max(tw // text_head_width, 1), "layers": count("transformer.resblocks."),
+                     "mlp_ratio": need("transformer.resblocks.0.mlp.c_fc.weight").shape[0] / tw},
+    }
+    return from_open_clip_config(oc, source=source)
+
+
+def infer_timm_vit_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, norm_eps: float = 1e-6,
+                          lambda_init="depth", source: str = "timm checkpoint") -> VisionCfg:
+    """A diffmm :class:`VisionCfg` from a timm ViT state dict in diffmm keys (after :func:`timm_vit_to_diffmm`
+    with ``prefix=''``). timm's LayerNorm eps is 1e-6 unless told otherwise; heads: from the lambda vectors of a
+    differential ViT, else ``head_width`` (default 64)."""
+    for bad, why in (("reg_token", "register tokens"), ("fc_norm.weight", "fc_norm (avg-pool head)"),
+                     ("attn_pool.latent", "attention pooling")):
+        if bad in sd:
+            raise KeyError(f"{source}: {bad} ({why}) is not supported by diffmm's ViT")
+    if "cls_token" not in sd or "pos_embed" not in sd:
+        raise KeyError(f"{source}: missing cls_token / pos_embed (diffmm's ViT needs a class token and learned "
+                       f"positions)")
+    w = sd["patch_embed.proj.weight"]
+    width, p = w.shape[0], w.shape[-1]
+    n = sd["pos_embed"].shape[1] - 1
+    grid = int(round(n ** 0.5))
+    if grid * grid != n:
+        raise KeyError(f"{source}: pos_embed has {n + 1} tokens; expected 1 + a square number of patches "
+                       f"(class token embedded with the patches)")
+    diff = "blocks.0.attn.lambda_q1" in sd
+    if diff:
+        head_width = sd["blocks.0.attn.lambda_q1"].shape[0]
+    upcycled = "blocks.0.attn.norm_gate" in sd
+    layers = 1 + max(int(m.group(1)) for k in sd for m in [re.match(r"blocks\.(\d+)\.", k)] if m)
+    cfg = VisionCfg(image_size=grid * p, patch_size=p, width=width, layers=layers, head_width=head_width or 64,
+                    mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / width,
+                    attn_type="diff_upcycled" if upcycled else ("diff" if diff else "standard"),
+                    lambda_init=lambda_init, pre_norm="norm_pre.weight" in sd,
+                    patch_bias="patch_embed.proj.bias" in sd, qkv_bias="blocks.0.attn.q_proj.bias" in sd,
+                    proj_bias="blocks.0.attn.out_proj.bias" in sd, norm_eps=norm_eps)
+    if diff and not upcycled and sd["blocks.0.attn.q_proj.weight"].shape[0] != width:
+        raise KeyError(f"{source}: differential q_proj has {sd['blocks.0.attn.q_proj.weight'].shape[0]} rows; "
+                       f"expected width {width}")
+    return cfg

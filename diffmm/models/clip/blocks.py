@@ -1,0 +1,60 @@
+"""Pre-norm Transformer blocks of the two CLIP towers, with attention from the ``diffmm.nn`` registry.
+
+Parameter names follow the official DiffCLIP checkpoint (SPEC section 3): vision blocks
+``norm1 / attn / norm2 / mlp.fc1 / mlp.fc2`` (timm-style), text blocks ``ln_1 / attn / ln_2 / mlp.c_fc /
+mlp.c_proj`` (open_clip-style).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+import diffmm.models.upcycle  # noqa: F401  (registers the 'diff_upcycled' attention type)
+from diffmm.nn import create_act, create_attention
+
+
+def build_attention(attn_type: str, width: int, heads: int, *, layer_idx: int, lambda_init, causal: bool,
+                    qkv_bias: bool, proj_bias: bool, backend: Optional[str]) -> nn.Module:
+    """One attention layer of a tower (``heads`` = standard heads at this width)."""
+    return create_attention(attn_type, width, heads, layer_idx=layer_idx, lambda_init=lambda_init, causal=causal,
+                            qkv_bias=qkv_bias, proj_bias=proj_bias, backend=backend)
+
+
+class VisionBlock(nn.Module):
+    """``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` with an ``fc1 / act / fc2`` MLP."""
+
+    def __init__(self, width: int, attn: nn.Module, mlp_ratio: float, act: str, eps: float):
+        super().__init__()
+        hidden = int(width * mlp_ratio)
+        self.norm1 = nn.LayerNorm(width, eps=eps)
+        self.attn = attn
+        self.norm2 = nn.LayerNorm(width, eps=eps)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("fc1", nn.Linear(width, hidden))
+        self.mlp.add_module("act", create_act(act))
+        self.mlp.add_module("fc2", nn.Linear(hidden, width))
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), attn_mask=attn_mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class TextBlock(nn.Module):
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` with a ``c_fc / act / c_proj`` MLP."""
+
+    def __init__(self, width: int, attn: nn.Module, mlp_ratio: float, act: str, eps: float):
+        super().__init__()
+        hidden = int(width * mlp_ratio)
+        self.ln_1 = nn.LayerNorm(width, eps=eps)
+        self.attn = attn
+        self.ln_2 = nn.LayerNorm(width, eps=eps)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("c_fc", nn.Linear(width, hidden))
+        self.mlp.add_module("act", create_act(act))
+        self.mlp.add_module("c_proj", nn.Linear(hidden, width))
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
+        return x + self.mlp(self.ln_2(x))

@@ -1,0 +1,234 @@
+"""CLIP / DiffCLIP model configs: open_clip-style JSON (``embed_dim``, ``vision_cfg``, ``text_cfg``) plus
+the attention type and lambda_init of each tower (SPEC section 3).
+
+A tower's ``attn_type`` is any name registered in :data:`diffmm.nn.ATTENTION_LAYERS` (``'diff'``,
+``'standard'``, ``'diff_v2'``, ...) or a list with one name per layer (what a partial
+:func:`diffmm.swap_attention` leaves). ``heads`` always counts the heads of the *standard* Transformer at
+that width (a differential layer has half of them, SPEC section 1).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+AttnType = Union[str, list]
+LOGIT_SCALE_INIT = math.log(1 / 0.07)
+LOGIT_SCALE_MAX = 100.0
+
+
+@dataclass
+class VisionCfg:
+    """The ViT image tower.
+
+    Attributes:
+        image_size / patch_size: input side and patch side (pixels).
+        width / layers / head_width: model width, blocks, and dim of a standard head (heads = width // head_width).
+        mlp_ratio: MLP hidden = width * mlp_ratio.
+        attn_type / lambda_init: attention of every block (or a per-layer list); ``'constant'`` (0.8, DiffCLIP),
+            ``'depth'`` (DiffCLIP*) or a number.
+        act: MLP activation (``'gelu'`` = exact erf GELU).
+        pre_norm: LayerNorm before the blocks (open_clip's ``ln_pre``; the DiffCLIP layout has none).
+        patch_bias: bias in the patch-embedding conv (DiffCLIP layout: yes; open_clip: no).
+        qkv_bias / proj_bias: attention projection biases.
+        norm_eps: LayerNorm eps.
+        pool_type: ``'tok'`` (CLS token) or ``'avg'`` (mean of the patch tokens).
+    """
+
+    image_size: int = 224
+    patch_size: int = 16
+    width: int = 768
+    layers: int = 12
+    head_width: int = 64
+    mlp_ratio: float = 4.0
+    attn_type: AttnType = "diff"
+    lambda_init: Union[str, float] = "constant"
+    act: str = "gelu"
+    pre_norm: bool = False
+    patch_bias: bool = True
+    qkv_bias: bool = True
+    proj_bias: bool = True
+    norm_eps: float = 1e-5
+    pool_type: str = "tok"
+
+    @property
+    def heads(self) -> int:
+        return self.width // self.head_width
+
+    @property
+    def grid_size(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@dataclass
+class TextCfg:
+    """The causal text tower (EOT pooling: the position of the largest token id, as CLIP's BPE puts EOT last).
+
+    Attributes:
+        context_length / vocab_size: positions and CLIP BPE vocabulary (49408).
+        width / heads / layers / mlp_ratio: standard heads (a differential layer has heads // 2).
+        attn_type / lambda_init / qkv_bias / proj_bias / norm_eps: as in :class:`VisionCfg`.
+        act: MLP activation (``'quick_gelu'`` = ``x * sigmoid(1.702 x)``, DiffCLIP / OpenAI CLIP).
+    """
+
+    context_length: int = 77
+    vocab_size: int = 49408
+    width: int = 512
+    heads: int = 8
+    layers: int = 12
+    mlp_ratio: float = 4.0
+    attn_type: AttnType = "diff"
+    lambda_init: Union[str, float] = "constant"
+    act: str = "quick_gelu"
+    qkv_bias: bool = True
+    proj_bias: bool = True
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class CLIPConfig:
+    """A whole model: two towers projected to ``embed_dim``.
+
+    Attributes:
+        embed_dim: joint embedding width.
+        init_logit_scale: initial log of the logit scale, ln(1/0.07).
+        logit_scale_max: the scale ``forward`` returns is clamped at this (100).
+        attn_backend: attention backend for every layer (None: ``DIFFMM_ATTN_BACKEND`` or automatic).
+    """
+
+    embed_dim: int = 512
+    vision_cfg: VisionCfg = field(default_factory=VisionCfg)
+    text_cfg: TextCfg = field(default_factory=TextCfg)
+    init_logit_scale: float = LOGIT_SCALE_INIT
+    logit_scale_max: float = LOGIT_SCALE_MAX
+    attn_backend: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config") -> "CLIPConfig":
+        """Build from a JSON-like dict; unknown keys are a one-line error naming them and ``source``."""
+        d = dict(d)
+        vision = _build(VisionCfg, d.pop("vision_cfg", {}) or {}, f"{source}: vision_cfg")
+        text = _build(TextCfg, d.pop("text_cfg", {}) or {}, f"{source}: text_cfg")
+        top = _build(cls, d, source, skip=("vision_cfg", "text_cfg"))
+        top.vision_cfg, top.text_cfg = vision, text
+        top.validate(source)
+        return top
+
+    def replace(self, **overrides) -> "CLIPConfig":
+        """A copy with top-level fields replaced and ``vision_cfg`` / ``text_cfg`` dicts merged in."""
+        d = self.to_dict()
+        for k, v in overrides.items():
+            if k in ("vision_cfg", "text_cfg") and isinstance(v, dict):
+                d[k].update(v)
+            else:
+                d[k] = v
+        return CLIPConfig.from_dict(d, source="overrides")
+
+    def validate(self, source: str = "config") -> None:
+        """One-line errors for inconsistent sizes."""
+        v, t = self.vision_cfg, self.text_cfg
+        if v.width % v.head_width:
+            raise ValueError(f"{source}: vision_cfg.width {v.width} is not divisible by head_width {v.head_width}")
+        if v.image_size % v.patch_size:
+            raise ValueError(f"{source}: vision_cfg.image_size {v.image_size} is not divisible by "
+                             f"patch_size {v.patch_size}")
+        if t.width % t.heads:
+            raise ValueError(f"{source}: text_cfg.width {t.width} is not divisible by heads {t.heads}")
+        if v.pool_type not in ("tok", "avg"):
+            raise ValueError(f"{source}: vision_cfg.pool_type {v.pool_type!r}; expected 'tok' or 'avg'")
+        for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
+            if isinstance(cfg.attn_type, (list, tuple)) and len(cfg.attn_type) != cfg.layers:
+                raise ValueError(f"{source}: {name}.attn_type lists {len(cfg.attn_type)} layers; "
+                                 f"the tower has {cfg.layers}")
+
+
+def layer_attn_types(cfg: Union[VisionCfg, TextCfg]) -> list[str]:
+    """The attention type of each layer of a tower."""
+    if isinstance(cfg.attn_type, str):
+        return [cfg.attn_type] * cfg.layers
+    return list(cfg.attn_type)
+
+
+def _build(cls, d: dict, source: str, skip: tuple = ()):
+    if not isinstance(d, dict):
+        raise TypeError(f"{source}: expected a JSON object; got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names - set(skip))
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {', '.join(unknown)}; expected some of {', '.join(sorted(names))}")
+    return cls(**{k: copy.deepcopy(v) for k, v in d.items() if k not in skip})
+
+
+def load_config_file(path: str | Path) -> CLIPConfig:
+    """Read a model-config JSON file (keys other than the config's own, e.g. ``"name"``, are errors)."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    d.pop("name", None)
+    d.pop("description", None)
+    return CLIPConfig.from_dict(d, source=str(path))
+
+
+def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
+                          source: str = "open_clip config") -> CLIPConfig:
+    """The diffmm config (standard attention, open_clip layout) of an open_clip CLIP model config.
+
+    Supports the plain ViT + text Transformer CLIP (``vision_cfg`` / ``text_cfg`` as in open_clip's
+    ``model_configs``); timm / HF / ResNet towers and custom attention blocks are refused with the field name.
+    """
+    oc = dict(oc.get("model_cfg", oc))
+    quick_gelu = bool(oc.pop("quick_gelu", quick_gelu))
+    if oc.get("init_logit_bias") is not None:
+        raise ValueError(f"{source}: init_logit_bias (a SigLIP-style model) is not supported by diffmm's CLIP")
+    v, t = dict(oc.get("vision_cfg", {})), dict(oc.get("text_cfg", {}))
+    for key, cfg, name in (("timm_model_name", v, "vision_cfg"), ("hf_model_name", t, "text_cfg")):
+        if cfg.get(key):
+            raise ValueError(f"{source}: {name}.{key}={cfg[key]!r} is not a plain Transformer tower; "
+                             f"use diffmm.swap_attention on the open_clip model instead")
+    if isinstance(v.get("layers", 12), (list, tuple)):
+        raise ValueError(f"{source}: vision_cfg.layers={v['layers']} is a ResNet; only ViT towers convert")
+    unsupported = ("attentional_pool", "qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
+                   "scale_attn", "scale_fc", "embed_cls", "no_causal_mask", "final_ln_after_pool", "ls_init_value",
+                   "proj_bias", "act_kwargs", "norm_kwargs")
+    for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
+        bad = [k for k in unsupported if cfg.get(k)]
+        if name == "text_cfg" and cfg.get("pool_type", "argmax") != "argmax":
+            bad.append("pool_type")
+        if name == "text_cfg" and cfg.get("proj_type", "linear") != "linear":
+            bad.append("proj_type")
+        if name == "vision_cfg" and cfg.get("pos_embed_type", "learnable") != "learnable":
+            bad.append("pos_embed_type")
+        if bad:
+            raise ValueError(f"{source}: {name} uses {', '.join(bad)}, which diffmm's CLIP does not implement")
+    act = "quick_gelu" if quick_gelu else "gelu"
+    vision = VisionCfg(image_size=int(_first(v.get("image_size", 224))),
+                       patch_size=int(_first(v.get("patch_size", 16))),
+                       width=v.get("width", 768), layers=v.get("layers", 12), head_width=v.get("head_width", 64),
+                       mlp_ratio=v.get("mlp_ratio", 4.0), attn_type="standard", act=act,
+                       pre_norm=not v.get("no_ln_pre", False), patch_bias=False,
+                       pool_type=v.get("pool_type", "tok"))
+    text = TextCfg(context_length=t.get("context_length", 77), vocab_size=t.get("vocab_size", 49408),
+                   width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
+                   mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
+    cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=vision, text_cfg=text,
+                     init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT))
+    cfg.validate(source)
+    return cfg
+
+
+def _first(x):
+    """open_clip allows (H, W) sizes; diffmm's ViT is square."""
+    if isinstance(x, (list, tuple)):
+        if len(set(x)) != 1:
+            raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
+        return x[0]
+    return x

@@ -1,0 +1,129 @@
+"""DiffCLIP: a CLIP whose towers use differential (or any registered) attention, with open_clip's model
+interface (``encode_image``, ``encode_text``, ``logit_scale``, ``forward``, ``output_dict``).
+
+The state-dict layout is the official DiffCLIP checkpoint's (SPEC section 3): ``visual.*`` (timm-style ViT),
+``image_projection``, the text tower at top level (``token_embedding``, ``positional_embedding``,
+``transformer.resblocks.*``, ``ln_final``, ``text_projection``) and ``logit_scale``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from diffmm.models.clip.config import CLIPConfig
+from diffmm.models.clip.text import TextTransformer
+from diffmm.models.clip.vision import VisionTransformer
+
+PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+class DiffCLIP(nn.Module):
+    """Contrastive image-text model.
+
+    Args:
+        cfg: :class:`CLIPConfig` (towers, embed_dim, logit scale).
+        output_dict: ``forward`` returns a dict instead of a tuple (open_clip's flag).
+    """
+
+    def __init__(self, cfg: CLIPConfig, output_dict: bool = False):
+        super().__init__()
+        self.config, self.output_dict = cfg, output_dict
+        v, t = cfg.vision_cfg, cfg.text_cfg
+        self.visual = VisionTransformer(v, cfg.attn_backend)
+        self.image_projection = nn.Parameter(torch.empty(v.width, cfg.embed_dim))
+        self.context_length, self.vocab_size = t.context_length, t.vocab_size
+        self.token_embedding = nn.Embedding(t.vocab_size, t.width)
+        self.positional_embedding = nn.Parameter(torch.empty(t.context_length, t.width))
+        self.transformer = TextTransformer(t, cfg.attn_backend)
+        self.ln_final = nn.LayerNorm(t.width, eps=t.norm_eps)
+        self.text_projection = nn.Parameter(torch.empty(t.width, cfg.embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """open_clip's text init; timm's ViT init (trunc normal 0.02, zero bias) for the vision Linear layers.
+
+        Only Linear layers named like projections (q/k/v/out_proj) and the MLPs are touched, so a layer's own
+        extra parameters (lambda vectors, norm weights, V2's lambda_proj) keep the layer's init.
+        """
+        t = self.config.text_cfg
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        attn_std, fc_std = t.width ** -0.5, (2 * t.width) ** -0.5
+        proj_std = attn_std * (2 * t.layers) ** -0.5
+        for blk in self.transformer.resblocks:
+            for name in PROJ_NAMES:
+                lin = getattr(blk.attn, name, None)
+                if isinstance(lin, nn.Linear):
+                    nn.init.normal_(lin.weight, std=proj_std if name == "out_proj" else attn_std)
+                    if lin.bias is not None:
+                        nn.init.zeros_(lin.bias)
+            nn.init.normal_(blk.mlp.c_fc.weight, std=fc_std)
+            nn.init.normal_(blk.mlp.c_proj.weight, std=proj_std)
+        nn.init.normal_(self.text_projection, std=t.width ** -0.5)
+        for blk in self.visual.blocks:
+            lins = [getattr(blk.attn, n, None) for n in PROJ_NAMES] + [blk.mlp.fc1, blk.mlp.fc2]
+            for lin in lins:
+                if isinstance(lin, nn.Linear):
+                    nn.init.trunc_normal_(lin.weight, std=0.02)
+                    if lin.bias is not None:
+                        nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.image_projection, std=self.config.vision_cfg.width ** -0.5)
+
+    # open_clip-compatible helpers -------------------------------------------------------------------------------
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.visual.set_grad_checkpointing(enable)
+        self.transformer.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters excluded from weight decay beyond the 1-D ones (embeddings of positions)."""
+        return {"positional_embedding", "visual.pos_embed", "visual.cls_token", "logit_scale"}
+
+    def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """images (B, 3, S, S) -> (B, embed_dim): pooled token ``@ image_projection``."""
+        x = self.visual(image) @ self.image_projection
+        return F.normalize(x, dim=-1) if normalize else x
+
+    def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """token ids (B, L <= context_length) -> (B, embed_dim): EOT token (argmax of the ids) ``@ text_projection``."""
+        if text.dim() != 2 or text.shape[1] > self.context_length:
+            raise ValueError(f"text has shape {tuple(text.shape)}; expected (B, L) with L <= {self.context_length}")
+        L = text.shape[1]
+        x = self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, W)
+        x = self.ln_final(self.transformer(x))
+        x = x[torch.arange(x.shape[0], device=x.device), text.argmax(dim=-1)]  # (B, W) EOT
+        x = x @ self.text_projection
+        return F.normalize(x, dim=-1) if normalize else x
+
+    def logit_scale_value(self) -> torch.Tensor:
+        """``exp(logit_scale)`` clamped at ``config.logit_scale_max`` (100)."""
+        return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
+
+    def get_logits(self, image: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image->text, text->image) logits of normalised features (open_clip's ``get_logits``)."""
+        img, txt = self.encode_image(image, normalize=True), self.encode_text(text, normalize=True)
+        logits = self.logit_scale_value() * img @ txt.T
+        return logits, logits.T
+
+    def forward(self, image: Optional[torch.Tensor] = None, text: Optional[torch.Tensor] = None,
+                normalize: bool = False):
+        """Features of both towers and the clamped logit scale.
+
+        Features are *not* normalised by default (SPEC section 3, as the official DiffCLIP; note that
+        open_clip's ``CLIP.forward`` normalises): contrastive losses must normalise, or pass ``normalize=True``.
+        """
+        img = self.encode_image(image, normalize=normalize) if image is not None else None
+        txt = self.encode_text(text, normalize=normalize) if text is not None else None
+        scale = self.logit_scale_value()
+        if self.output_dict:
+            return {"image_features": img, "text_features": txt, "logit_scale": scale}
+        return img, txt, scale
+
+    def extra_repr(self) -> str:
+        v, t = self.config.vision_cfg, self.config.text_cfg
+        return (f"vision_attn={v.attn_type}, text_attn={t.attn_type}, lambda_init=({v.lambda_init}, "
+                f"{t.lambda_init}), embed_dim={self.config.embed_dim}")

@@ -1,0 +1,84 @@
+"""The ViT image tower of (Diff)CLIP (SPEC section 3): patch embedding, CLS token, learned positions,
+pre-norm blocks, final LayerNorm, CLS (or mean) pooling. The projection to the joint space lives in the
+CLIP model (``image_projection``), as in the official DiffCLIP checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from diffmm.models.clip.blocks import VisionBlock, build_attention
+from diffmm.models.clip.config import VisionCfg, layer_attn_types
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens: ``proj`` is a Conv2d with kernel = stride = patch."""
+
+    def __init__(self, image_size: int, patch_size: int, width: int, bias: bool):
+        super().__init__()
+        self.image_size, self.patch_size = image_size, patch_size
+        self.num_patches = (image_size // patch_size) ** 2
+        self.proj = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != 3 or x.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(f"images have shape {tuple(x.shape)}; expected (B, 3, {self.image_size}, "
+                             f"{self.image_size})")
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, P, W)
+
+
+class VisionTransformer(nn.Module):
+    """ViT encoder: images (B, 3, S, S) -> pooled features (B, width).
+
+    Args:
+        cfg: the tower config (width, depth, heads, attention type, pre-norm, ...).
+        attn_backend: attention backend for every layer.
+    """
+
+    def __init__(self, cfg: VisionCfg, attn_backend: Optional[str] = None):
+        super().__init__()
+        self.cfg = cfg
+        W = cfg.width
+        self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, W, cfg.patch_bias)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, W))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, W))
+        self.norm_pre = nn.LayerNorm(W, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
+        self.blocks = nn.ModuleList([
+            VisionBlock(W, build_attention(t, W, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init, causal=False,
+                                           qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias, backend=attn_backend),
+                        cfg.mlp_ratio, cfg.act, cfg.norm_eps)
+            for i, t in enumerate(layer_attn_types(cfg))])
+        self.norm = nn.LayerNorm(W, eps=cfg.norm_eps)
+        self.grad_checkpointing = False
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Normal(0, width**-0.5) for the CLS token and positions (open_clip); layers keep their own init."""
+        scale = self.cfg.width ** -0.5
+        nn.init.normal_(self.cls_token, std=scale)
+        nn.init.normal_(self.pos_embed, std=scale)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """images (B, 3, S, S) -> normalised tokens (B, 1 + P, W), CLS first."""
+        x = self.patch_embed(x)  # (B, P, W)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1 + P, W)
+        x = self.norm_pre(x + self.pos_embed.to(x.dtype))
+        for blk in self.blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1 + P, W) -> (B, W): the CLS token, or the mean of the patch tokens."""
+        return x[:, 0] if self.cfg.pool_type == "tok" else x[:, 1:].mean(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.forward_features(x))

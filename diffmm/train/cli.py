@@ -1,0 +1,145 @@
+"""``diffmm fit | validate | test | predict``: a LightningCLI with diffmm's defaults.
+
+    diffmm fit --config configs/diffclip_tiny_emoji.yaml
+    diffmm fit --config configs/diffclip_tiny_emoji.yaml --ckpt_path last      # resume
+    diffmm validate --config configs/diffclip_tiny_emoji.yaml --ckpt_path runs/diffclip-tiny/checkpoints/last.ckpt
+    diffmm fit --config configs/diffclip_tiny_emoji.yaml --print_config         # the full resolved config
+
+What it adds to a plain LightningCLI:
+
+* always-on callbacks, configurable under their own keys: ``checkpoint`` (ModelCheckpoint with
+  ``save_last``; default folder ``<trainer.default_root_dir>/checkpoints``, so ``--ckpt_path last``
+  finds it), ``lr_monitor``, ``data_stats`` (data counters per epoch), ``prediction_writer``;
+* TensorBoard and CSV loggers under ``<trainer.default_root_dir>/{tensorboard,csv}`` unless
+  ``trainer.logger`` is given;
+* atomic checkpoint writes (:class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`);
+* links from the model to the data: ``context_length``, ``image_size``, ``tokenizer``;
+* bad configs end with one ``error:`` line (set ``DIFFMM_TRACEBACK=1`` for the traceback).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+from jsonargparse import ArgumentError
+from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, PredictionWriter
+from diffmm.train.checkpoint_io import AtomicCheckpointIO
+from diffmm.train.datamodules import check_shard_spec
+from diffmm.train.errors import ConfigError
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def newest_checkpoint(config: Any) -> Optional[str]:
+    """The newest of ``<checkpoint dir>/last*.ckpt`` and SLURM's ``<default_root_dir>/hpc_ckpt_*.ckpt`` (or None).
+
+    ``--ckpt_path last`` resolves to this, so a job requeued after SLURM's pre-emption signal (which
+    writes an ``hpc_ckpt``) and a job restarted after a crash resume from whichever is more recent.
+    """
+    root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
+    ckpt_dir = config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints")
+    found = glob.glob(os.path.join(ckpt_dir, "last*.ckpt")) + glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt"))
+    return max(found, key=os.path.getmtime) if found else None
+
+
+class DiffmmCLI(LightningCLI):
+    """LightningCLI with diffmm's always-on callbacks, loggers, atomic checkpoints and model -> data links."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(Checkpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1})
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        parser.add_lightning_class_args(DataStatsMonitor, "data_stats")
+        parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
+        for key in ("context_length", "image_size", "tokenizer"):
+            parser.link_arguments(f"model.{key}", f"data.init_args.{key}", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        # Check shard paths before jsonargparse instantiates the data module: an error raised inside
+        # instantiation comes back wrapped in a long "Union subtypes" report.
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        data = config.get("data")
+        init = getattr(data, "init_args", None) or {}
+        for key in ("train_shards", "val_shards", "test_shards", "predict_shards"):
+            spec = init.get(key) if hasattr(init, "get") else None
+            if spec:
+                check_shard_spec(spec, f"data.{key}")
+        if config.get("ckpt_path") == "last":
+            newest = newest_checkpoint(config)
+            if newest is not None:
+                config["ckpt_path"] = newest
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> pl.Trainer:
+        root = config.get("default_root_dir") or os.getcwd()
+        for cb in callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
+                cb.dirpath = os.path.realpath(os.path.join(os.fspath(root), "checkpoints"))
+        if config.get("logger") in (None, True):
+            config["logger"] = [TensorBoardLogger(root, name="tensorboard"), CSVLogger(root, name="csv")]
+        if not config.get("plugins"):
+            config["plugins"] = [AtomicCheckpointIO()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def run_cli(argv: list[str], **kwargs: Any):
+    """Build and run the CLI on ``argv`` (``[subcommand, options...]``); returns the LightningCLI object."""
+    defaults = {"log_every_n_steps": 10}
+    # raise parse errors (condensed by main()) instead of printing the whole usage
+    parser_kwargs = {"exit_on_error": False, **{c: {"exit_on_error": False} for c in SUBCOMMANDS}}
+    if argv == sys.argv[1:]:
+        argv = None  # the console entry point: let LightningCLI read sys.argv itself (no warning)
+    return DiffmmCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                     args=argv, seed_everything_default=0, trainer_defaults=defaults, parser_kwargs=parser_kwargs,
+                     save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False, **kwargs)
+
+
+#: lines of jsonargparse's union-type reports that only repeat what the user wrote
+_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
+          "Expected a <class 'NoneType'>", "tip: For details")
+
+
+def condense(e: BaseException) -> str:
+    """The exception message on one line, without jsonargparse's echo of the given values."""
+    text = str(e).strip() or type(e).__name__
+    lines = [ln.strip().lstrip("- ").strip() for ln in text.splitlines()]
+    return " ".join(ln for ln in lines if ln and not ln.startswith(_NOISE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``diffmm fit|validate|test|predict``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[0] if argv else "fit"
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # diffmm's shard streams split work over ranks and workers themselves; their length is exact
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    try:
+        run_cli(argv)
+    except SystemExit as e:  # --help, --print_config and jsonargparse's own error messages
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    except (ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException, ValueError) as e:
+        # bad paths and values: one line (naming the config key); other exceptions keep their traceback
+        if os.environ.get("DIFFMM_TRACEBACK"):
+            raise
+        hint = "" if isinstance(e, (ConfigError, ArgumentError)) else " (DIFFMM_TRACEBACK=1 shows where)"
+        print(f"diffmm {cmd}: error: {condense(e)}{hint}", file=sys.stderr)
+        if isinstance(e, ArgumentError):
+            print(f"diffmm {cmd}: see `diffmm {cmd} --help` or `--print_config` for the accepted keys", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

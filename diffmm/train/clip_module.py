@@ -1,0 +1,162 @@
+"""LightningModule for contrastive image-text training of (Diff)CLIP models."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from diffmm.train.base import TrainModule
+from diffmm.train.losses import ContrastiveLoss
+from diffmm.train.zeroshot_hook import ZeroShotHook
+
+#: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
+MAX_LOGIT_SCALE = math.log(100.0)
+
+
+def _image_size(model: nn.Module) -> Optional[int]:
+    visual = getattr(model, "visual", None)
+    size = getattr(visual, "image_size", None)  # open_clip
+    if size is None:
+        size = getattr(getattr(getattr(model, "config", None), "vision_cfg", None), "image_size", None)  # diffmm
+    if size is None:
+        size = getattr(getattr(visual, "patch_embed", None), "image_size", None)
+    if isinstance(size, (tuple, list)):
+        size = size[0]
+    return int(size) if size is not None else None
+
+
+def _context_length(model: nn.Module) -> Optional[int]:
+    n = getattr(model, "context_length", None)
+    if n is None:
+        n = getattr(getattr(model, "text", None), "context_length", None)
+    return int(n) if n is not None else None
+
+
+class CLIPModule(TrainModule):
+    """Trains a CLIP-style model (``encode_image``, ``encode_text``, ``logit_scale``) on (images, tokens) batches.
+
+    Args:
+        model_name: a diffmm model config (``diffmm.list_models()``), e.g. ``DiffCLIP-Tiny`` or ``CLIP-Tiny``.
+        model_kwargs: extra keyword arguments of ``diffmm.create_model``.
+        pretrained: initial weights (anything ``diffmm.create_model(pretrained=...)`` accepts).
+        model: an already built model (Python use; overrides ``model_name``).
+        local_loss: compute only this rank's rows of the logit matrix (open_clip ``--local-loss``).
+        gather_with_grad: gather features across ranks with gradients (exact combined-batch gradients).
+        lr, min_lr, weight_decay, betas, eps, warmup_steps, warmup_epochs, total_steps: optimizer recipe
+            (defaults: DiffCLIP's, SPEC section 3; ``warmup_epochs=1`` there).
+        no_decay: extra parameter-name fragments without weight decay (besides biases, norms, lambdas,
+            logit_scale and 1-D parameters), e.g. ``[positional_embedding, pos_embed, cls_token]`` as timm does.
+        grad_checkpointing, compile, log_lambdas: see :class:`~diffmm.train.base.TrainModule`.
+        zeroshot: optional zero-shot evaluation during validation, keyword arguments of
+            :class:`~diffmm.train.zeroshot_hook.ZeroShotHook` (needs ``diffmm.eval.zeroshot``).
+    """
+
+    def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
+                 pretrained: Optional[str] = None, model: Optional[nn.Module] = None, *,
+                 local_loss: bool = False, gather_with_grad: bool = True,
+                 lr: float = 5e-4, min_lr: float = 1e-5, weight_decay: float = 0.5,
+                 betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
+                 warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
+                 grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
+                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict] = None) -> None:
+        super().__init__(lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                         warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
+                         grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)
+        self.save_hyperparameters(ignore=["model"])
+        if model is None:
+            import diffmm
+
+            kwargs = dict(model_kwargs or {})
+            if pretrained:
+                kwargs["pretrained"] = pretrained
+            model = diffmm.create_model(model_name, **kwargs)
+        for attr in ("encode_image", "encode_text", "logit_scale"):
+            if not hasattr(model, attr):
+                raise TypeError(f"CLIPModule: {type(model).__name__} has no {attr!r}; expected open_clip's model interface")
+        self.setup_model(model)
+        self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
+        self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
+
+    # ----- what the data module is linked to ----------------------------------------------------
+    @property
+    def image_size(self) -> Optional[int]:
+        """Input resolution of the image tower (linked to the data module)."""
+        return _image_size(self.model)
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """Text context length (linked to the data module)."""
+        return _context_length(self.model)
+
+    @property
+    def tokenizer(self) -> str:
+        """Tokenizer spec of the captions (CLIP BPE)."""
+        return "clip"
+
+    def extra_no_decay(self) -> tuple[str, ...]:
+        return ("logit_scale", *(self.hparams.get("no_decay") or ()))
+
+    # ----- steps --------------------------------------------------------------------------------
+    def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
+        out = self.run_model(images, tokens)
+        if isinstance(out, dict):
+            img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
+        else:
+            img, txt, scale = out[0], out[1], out[2]
+        return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=100.0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, tokens = batch
+        img, txt, scale = self.features(images, tokens)
+        loss = self.loss_fn(img, txt, scale)
+        extra = {"train/logit_scale": float(scale.detach())} if self.should_log_now() else None
+        self.log_step(loss, images.shape[0], "samples_per_s", extra)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        scale = self.model.logit_scale
+        if scale.numel() == 1:  # open_clip clamps the parameter after every optimizer step (FSDP: the cap in
+            with torch.no_grad():  # features() still holds when the parameter is a sharded view)
+                scale.clamp_(0, MAX_LOGIT_SCALE)
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
+        images, tokens = batch
+        img, txt, scale = self.features(images, tokens)
+        logits = scale * img @ txt.T  # (B, B) within this rank's batch
+        labels = torch.arange(img.shape[0], device=img.device)
+        loss = 0.5 * (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.T.float(), labels))
+        i2t = (logits.argmax(1) == labels).float().mean()
+        t2i = (logits.argmax(0) == labels).float().mean()
+        bs = img.shape[0]
+        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=bs, prog_bar=stage == "val")
+        self.log(f"{stage}/i2t_top1", i2t, on_epoch=True, sync_dist=True, batch_size=bs)
+        self.log(f"{stage}/t2i_top1", t2i, on_epoch=True, sync_dist=True, batch_size=bs)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "test")
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Normalised image and text features of a batch (written by the prediction writer)."""
+        images, tokens = batch
+        img, txt, scale = self.features(images, tokens)
+        return {"image_features": img.float().cpu(), "text_features": txt.float().cpu(),
+                "similarity": (img @ txt.T).float().cpu()}
+
+    def on_validation_epoch_end(self) -> None:
+        if self.zeroshot is None or self.trainer.sanity_checking:
+            return
+        if self.sharded():
+            return  # sharded parameters: the unwrapped model cannot run alone
+        results = self.zeroshot.run(self.model, epoch=self.current_epoch, device=self.device, image_size=self.image_size,
+                                    context_length=self.context_length or 77, rank=self.global_rank)
+        if results:
+            self.log_dict({f"zeroshot/{k}": float(v) for k, v in results.items()}, sync_dist=False, rank_zero_only=True)
+

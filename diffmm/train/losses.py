@@ -1,0 +1,100 @@
+"""Training losses: CLIP's symmetric contrastive loss over features gathered from every rank, and next-token loss.
+
+Distributed contrastive loss, with ``W`` ranks each holding ``B`` pairs:
+
+* ``gather_with_grad=True`` (default): features are all-gathered with an autograd-aware collective
+  (``torch.distributed.nn.functional.all_gather``), whose backward sums the gradients that every
+  rank's loss sends to each rank's features. Combined with DDP's gradient averaging, the update
+  equals that of one process on the whole ``W * B`` batch, with or without ``local_loss``.
+* ``local_loss=True``: each rank only computes the rows of the logit matrix that belong to its own
+  pairs, ``(B, W*B)`` instead of ``(W*B, W*B)``; same gradients (with gathered gradients), ``W``
+  times less logit memory and compute.
+* ``gather_with_grad=False``: plain ``all_gather`` with the local slice put back so gradients reach
+  the local features only (open_clip's cheaper default); not the combined-batch gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or fp64 when it already is."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_features(image_features: torch.Tensor, text_features: torch.Tensor, *,
+                    gather_with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather ``(B, D)`` features from every rank into ``(W*B, D)``, rank-major.
+
+    Args:
+        gather_with_grad: autograd-aware gather (gradients flow to every rank's features);
+            otherwise only this rank's slice carries gradients.
+    """
+    rank, world = _world()
+    if world == 1:
+        return image_features, text_features
+    if gather_with_grad:
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(image_features), 0), torch.cat(all_gather(text_features), 0)
+    out = []
+    for feats in (image_features, text_features):
+        parts = [torch.empty_like(feats) for _ in range(world)]
+        dist.all_gather(parts, feats.detach().contiguous())
+        parts[rank] = feats
+        out.append(torch.cat(parts, 0))
+    return out[0], out[1]
+
+
+class ContrastiveLoss(nn.Module):
+    """Symmetric InfoNCE of CLIP on L2-normalised features, gathered across ranks.
+
+    Args:
+        local_loss: compute only this rank's rows of the logit matrix (see module doc).
+        gather_with_grad: autograd-aware gather (see module doc).
+    """
+
+    def __init__(self, local_loss: bool = False, gather_with_grad: bool = True) -> None:
+        super().__init__()
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor,
+                logit_scale: torch.Tensor) -> torch.Tensor:
+        """Mean of the image->text and text->image cross entropies.
+
+        Args:
+            image_features: (B, D) this rank's image embeddings, normalised.
+            text_features: (B, D) this rank's text embeddings, normalised; row i pairs with image i.
+            logit_scale: 0-d, the temperature already exponentiated (and clamped).
+        """
+        rank, world = _world()
+        B = image_features.shape[0]
+        if world > 1:
+            all_img, all_txt = gather_features(image_features, text_features, gather_with_grad=self.gather_with_grad)
+        else:
+            all_img, all_txt = image_features, text_features
+        if self.local_loss:
+            logits_per_image = logit_scale * image_features @ all_txt.T   # (B, W*B)
+            logits_per_text = logit_scale * text_features @ all_img.T     # (B, W*B)
+            labels = torch.arange(B, device=image_features.device) + rank * B
+        else:
+            logits_per_image = logit_scale * all_img @ all_txt.T           # (W*B, W*B)
+            logits_per_text = logits_per_image.T
+            labels = torch.arange(all_img.shape[0], device=image_features.device)
+        # cross entropy in (at least) fp32 whatever the autocast dtype
+        return 0.5 * (F.cross_entropy(_fp32(logits_per_image), labels) + F.cross_entropy(_fp32(logits_per_text), labels))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross entropy of ``logits (B, N, V)`` against ``targets (B, N)``, in fp32."""
+    return F.cross_entropy(_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)

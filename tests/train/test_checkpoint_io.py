@@ -1,0 +1,50 @@
+"""Atomic checkpoint writes: a write that dies half-way leaves the previous checkpoint intact."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import diffmm.train.checkpoint_io as cio
+from diffmm.train.checkpoint_io import AtomicCheckpointIO
+
+
+def test_interrupted_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpts" / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt("killed during the write")
+
+    monkeypatch.setattr(cio.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    state = torch.load(path, weights_only=True)
+    assert state["global_step"] == 1 and torch.equal(state["w"], torch.ones(3))
+    assert os.listdir(path.parent) == ["last.ckpt"]  # no temp file left behind
+
+    io.save_checkpoint({"global_step": 3}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 3
+
+
+def test_ckpt_path_last_picks_newest_of_last_and_slurm_hpc(tmp_path):
+    from jsonargparse import Namespace
+
+    from diffmm.train.cli import newest_checkpoint
+
+    cfg = Namespace(trainer=Namespace(default_root_dir=str(tmp_path)), checkpoint=Namespace(dirpath=None))
+    assert newest_checkpoint(cfg) is None
+    (tmp_path / "checkpoints").mkdir()
+    last, hpc = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "hpc_ckpt_3.ckpt"
+    last.write_bytes(b"x")
+    hpc.write_bytes(b"x")
+    os.utime(last, (1000, 1000))
+    os.utime(hpc, (2000, 2000))
+    assert newest_checkpoint(cfg) == str(hpc)
+    os.utime(last, (3000, 3000))
+    assert newest_checkpoint(cfg) == str(last)

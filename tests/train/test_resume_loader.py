@@ -1,0 +1,57 @@
+"""Data position: a resumed stream yields exactly the batches (augmentations included) of an uninterrupted one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffmm.data.image_text import ImageTextDataset
+from diffmm.data.stream import ShardLoader
+from diffmm.data.transforms import image_transform
+from diffmm.train.resume import ResumableLoader
+from train_helpers import write_image_text_shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_image_text_shards(str(tmp_path_factory.mktemp("it")), n=48, per_shard=12, size=16)
+
+
+def _loader(spec: str, num_workers: int) -> ResumableLoader:
+    # RandomResizedCrop makes every batch depend on the augmentation RNG
+    ds = ImageTextDataset(spec, 4, transform=image_transform(12, train=True), context_length=8, train=True,
+                          shuffle_buffer=8, seed=3, rank=0, world_size=1)
+    return ResumableLoader(ShardLoader(ds, num_workers=num_workers), seed=3)
+
+
+def _epoch(loader: ResumableLoader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(im.clone(), tok.clone()) for im, tok in loader]
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_replays_exactly(shards, num_workers):
+    full = _loader(shards, num_workers)
+    e0, e1 = _epoch(full), _epoch(full)
+    assert len(e0) == len(full) == 12 and full.epoch == 1
+    assert not _same(e0, e1)  # each epoch reshuffles and re-augments
+    resumed = _loader(shards, num_workers)
+    torch.rand(5)  # the global RNG state of the resumed process differs: must not matter
+    resumed.set_position(1, 5)
+    assert _same(_epoch(resumed), e1[5:])
+    assert _same(_epoch(resumed), _epoch(_loader_at(shards, num_workers, 2)))  # then epoch 2 as usual
+
+
+def _loader_at(spec: str, num_workers: int, epoch: int) -> ResumableLoader:
+    loader = _loader(spec, num_workers)
+    loader.set_position(epoch, 0)
+    return loader
+
+
+def test_epoch_comes_from_the_trainer_callback(shards):
+    loader = _loader(shards, 0)
+    loader.default_epoch = lambda: 7
+    a = _epoch(loader)
+    assert loader.epoch == 7 and _same(a, _epoch(_loader_at(shards, 0, 7)))
