@@ -131,11 +131,20 @@ def needle(model, cfg: DemoConfig, data: DemoData, tokenizer, haystack: list[str
             "num_queried": ncfg.num_queried}
 
 
-def haystack_sentences(data: DemoData) -> list[str]:
-    """Sentences of the validation pages (text the LMs did not train on)."""
+def haystack_sentences(data: DemoData, tokenizer, max_tokens: int) -> list[str]:
+    """Sentences of the validation pages (text the LMs did not train on) of at most ``max_tokens`` tokens.
+
+    Long "sentences" (code blocks, tables) are dropped: the needle prompt builder stops filling the
+    haystack at the first sentence that does not fit, so one of them can leave no haystack at all.
+    """
+    from diffmm.eval.common import EvalError
     from diffmm.eval.needle import split_sentences
 
-    return split_sentences("\n\n".join(read_documents(data.lm_val_shards)))
+    sentences = split_sentences("\n\n".join(read_documents(data.lm_val_shards)))
+    short = [s for s in sentences if len(tokenizer.encode(" " + s)) <= max_tokens]
+    if not short:
+        raise EvalError(f"needle haystack: no validation sentence of at most {max_tokens} tokens")
+    return short
 
 
 def outliers(model, cfg: DemoConfig, data: DemoData, tokenizer) -> dict[str, Any]:

@@ -172,8 +172,11 @@ class Demo:
 
         cfg, part = self.cfg, self.results["lm"]
         data = self.data("lm")
-        hay = self.step("needle haystack (validation pages) and tokenizer",
-                        lambda: (ev.haystack_sentences(data), ev.load_tokenizer(data)), needs=(data,))
+        def haystack():
+            tok = ev.load_tokenizer(data)
+            return ev.haystack_sentences(data, tok, max(8, cfg.needle_context // 8)), tok
+
+        hay = self.step("needle haystack (validation pages) and tokenizer", haystack, needs=(data,))
         sentences, tok = hay if hay is not None else (None, None)
         for seed in cfg.seeds:
             for name in cfg.lm_models:

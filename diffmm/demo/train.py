@@ -72,7 +72,7 @@ def _loss_callback(label: str, steps: int, lines: bool):
             self.losses: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            loss = trainer.callback_metrics.get("train/loss")
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs  # what training_step returned
             self.losses.append(float(loss) if loss is not None else math.nan)
             step = trainer.global_step
             if not lines or (step % self.every and step != steps):

@@ -32,6 +32,7 @@ def _clip_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-batches", type=int, help="stop early (smoke runs)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed before building the model (random-init runs)")
 
 
 def _lm_opts(p: argparse.ArgumentParser) -> None:
@@ -42,8 +43,11 @@ def _lm_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _load_clip(a):
+    import torch
+
     from diffmm.eval.loading import load_clip
 
+    torch.manual_seed(a.seed)
     return load_clip(a.model, a.pretrained, device=a.device, trust_pickle=a.trust_pickle)
 
 
@@ -207,7 +211,8 @@ def cmd_lm_eval(a) -> int:
     from diffmm.eval.common import markdown_table
 
     rows = [[task, metric.split(",")[0], value] for task, metrics in res["results"].items()
-            for metric, value in metrics.items() if isinstance(value, (int, float)) and "stderr" not in metric]
+            for metric, value in metrics.items() if isinstance(value, (int, float)) and "stderr" not in metric
+            and not metric.startswith("sample_len")]
     return _finish(a, {"task": "lm_eval", "lm": a.lm, **res},
                    markdown_table(["task", "metric", "value"], rows, floatfmt=".4f"))
 

@@ -4,8 +4,9 @@
     lm = DiffmmLM(model, tokenizer, batch_size=8)
     results = run_lm_eval(lm, ["my_task"], include_path="tasks/")
 
-The model is also registered as ``diffmm`` for ``lm_eval --model diffmm --model_args
-path=EXPORT_DIR,tokenizer=clip``. lm-eval is optional (``pip install 'diffmm[eval]'``).
+Importing this module also registers the model as ``diffmm`` in lm-eval's registry, so
+``lm_eval.simple_evaluate(model="diffmm", model_args="path=EXPORT_DIR,tokenizer=clip", ...)`` works.
+lm-eval is optional (``pip install 'diffmm[eval]'``).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class DiffmmLM(LM):  # type: ignore[misc,valid-type]
 
     Args:
         model: the LM (``model(idx) -> logits``), or None with ``path``.
-        tokenizer: ``encode`` / ``decode`` / ``eos_id`` (diffmm LM tokenizers), or None with ``path``.
+        tokenizer: ``encode`` / ``decode`` / ``eos_id`` (diffmm LM tokenizers); with ``path``, a tokenizer spec
+            string (``clip``, a ``tokenizer.json``) or None for the folder's own.
         path: an LM folder for :func:`diffmm.eval.loading.load_lm` (used by ``--model_args``).
         batch_size: sequences per forward when scoring.
         max_length: context limit (default: the model's ``block_size``).
@@ -57,12 +59,12 @@ class DiffmmLM(LM):  # type: ignore[misc,valid-type]
                  **unused: Any) -> None:
         _require_lm_eval()
         super().__init__()
-        if model is None:
+        if model is None:  # built from lm-eval's --model_args: path=..., tokenizer=<spec string>
             from diffmm.eval.loading import load_lm
 
             if path is None:
                 raise EvalError("DiffmmLM needs a model and tokenizer, or path=LM_FOLDER")
-            model, tokenizer = load_lm(path, unused.get("tokenizer"), device=device)
+            model, tokenizer = load_lm(path, tokenizer if isinstance(tokenizer, str) else None, device=device)
         if tokenizer is None:
             raise EvalError("DiffmmLM needs a tokenizer")
         self.model, self.tok = model.eval(), tokenizer

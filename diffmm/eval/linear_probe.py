@@ -5,7 +5,8 @@ features of the train and test sets with the frozen image tower; hold out part o
 (or use a given validation set); sweep the inverse regularisation C on a log grid (coarse, then a
 finer grid around the best); refit on train + validation with the best C; report test top-1 and
 mean per-class accuracy. Solver: scikit-learn's L-BFGS logistic regression; the sweep runs from strong
-to weak regularisation, warm-starting each fit from the previous one (a convex problem: same optimum).
+to weak regularisation, warm-starting each fit from the previous one (the problem is convex, so only
+fits stopped by ``max_iter`` can differ from cold starts).
 """
 from __future__ import annotations
 

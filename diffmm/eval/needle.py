@@ -125,13 +125,15 @@ class NeedleBuilder:
             raise EvalError(f"needle: context_length {cfg.context_length} leaves no room for a haystack")
         hay, i = [], rng.randrange(len(self.sentences))
         used = 0
-        while len(hay) < 10 * len(self.sentences):
+        for _ in range(4 * len(self.sentences)):  # sentences longer than the whole budget are skipped
             s = self._sent(i)
+            i += 1
+            if len(s) > budget:
+                continue
             if used + len(s) > budget:
                 break
             hay.append(s)
             used += len(s)
-            i += 1
         if not hay:
             raise EvalError(f"needle: no haystack sentence fits {budget} tokens; raise context_length")
         bounds = np.cumsum([0] + [len(s) for s in hay])  # token offsets of the sentence boundaries

@@ -130,8 +130,9 @@ def plot_needle_attention(results: Mapping[str, Mapping[str, Mapping[float, floa
         width = 0.8 / max(1, len(results))
         for i, (label, r) in enumerate(results.items()):
             vals = {float(d): v for d, v in r.get(key, {}).items()}
-            ax.bar(np.arange(len(depths)) + i * width - 0.4 + width / 2, [vals.get(d, np.nan) for d in depths],
-                   width, label=label)
+            bars = ax.bar(np.arange(len(depths)) + i * width - 0.4 + width / 2,
+                          [vals.get(d, np.nan) for d in depths], width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
         ax.set_xticks(np.arange(len(depths)), [f"{100 * d:.0f}%" for d in depths])
         ax.set_xlabel("answer depth in the context")
         ax.set_ylabel("attention share on the answer needle" if key == "attention" else "retrieval accuracy")

@@ -8,11 +8,12 @@ fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg
+if TYPE_CHECKING:  # the model package imports timm / open_clip; keep this module light
+    from diffmm.models.clip.config import CLIPConfig, VisionCfg
 
 Tensor = torch.Tensor
 # open_clip vision block names -> diffmm / timm / official DiffCLIP names
@@ -118,12 +119,14 @@ def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tenso
     return out
 
 
-def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant", source: str = "checkpoint") -> CLIPConfig:
+def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
+                          source: str = "checkpoint") -> "CLIPConfig":
     """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
 
     Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
     lambda vectors is standard attention with 64-wide heads unless ``head_width`` can be read otherwise.
     """
+    from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg
     def need(key: str) -> Tensor:
         if key not in sd:
             raise KeyError(f"{source}: missing key {key} (not a DiffCLIP-layout checkpoint)")
@@ -160,7 +163,7 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant", sour
 
 
 def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,
-                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> CLIPConfig:
+                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> "CLIPConfig":
     """A diffmm config (standard attention, open_clip layout) from the shapes of an open_clip CLIP state dict.
 
     Shapes do not tell the number of heads or the activation: pass ``head_width`` / ``text_head_width`` /
@@ -197,10 +200,12 @@ def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_
 
 
 def infer_timm_vit_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, norm_eps: float = 1e-6,
-                          lambda_init="depth", source: str = "timm checkpoint") -> VisionCfg:
+                          lambda_init="depth", source: str = "timm checkpoint") -> "VisionCfg":
     """A diffmm :class:`VisionCfg` from a timm ViT state dict in diffmm keys (after :func:`timm_vit_to_diffmm`
     with ``prefix=''``). timm's LayerNorm eps is 1e-6 unless told otherwise; heads: from the lambda vectors of a
     differential ViT, else ``head_width`` (default 64)."""
+    from diffmm.models.clip.config import VisionCfg
+
     for bad, why in (("reg_token", "register tokens"), ("fc_norm.weight", "fc_norm (avg-pool head)"),
                      ("attn_pool.latent", "attention pooling")):
         if bad in sd:

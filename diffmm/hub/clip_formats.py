@@ -14,6 +14,7 @@ import json
 import os
 import pickletools
 import socket
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,11 +327,21 @@ def _clip_build(config: dict[str, Any]):
     return DiffCLIP(CLIPConfig.from_dict(config, source="diffmm export config"))
 
 
+class _DiffCLIPMeta(type):
+    def __instancecheck__(cls, obj) -> bool:
+        mod = sys.modules.get("diffmm.models.clip.model")
+        return mod is not None and isinstance(obj, mod.DiffCLIP)
+
+
+class DiffCLIPRef(metaclass=_DiffCLIPMeta):
+    """``isinstance(m, DiffCLIPRef)`` is ``isinstance(m, DiffCLIP)`` without importing the model package (which
+    imports timm and open_clip) when this module is imported by ``diffmm.load_pretrained``."""
+
+
 def _register() -> None:
     from diffmm.hub.diffmm_export import register_export_kind
-    from diffmm.models.clip.model import DiffCLIP
 
-    register_export_kind("clip", DiffCLIP, _clip_config, _clip_build)
+    register_export_kind("clip", DiffCLIPRef, _clip_config, _clip_build)
     for src in SOURCES:
         register_format(CheckpointFormat(src.name, src.detect,
                                          lambda path, _s=src.name, **kw: load_clip(path, source=_s, **kw),

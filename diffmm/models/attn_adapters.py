@@ -162,3 +162,12 @@ def register_known_layers() -> None:
     for cls, _ in list(ATTENTION_LAYERS.values()):
         for conv in MIXINS:
             adapter_class(conv, cls)
+
+
+def _register_on_import() -> None:
+    import diffmm.models.upcycle  # noqa: F401  (registers 'diff_upcycled')
+
+    register_known_layers()
+
+
+_register_on_import()

@@ -173,7 +173,7 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
         attn_type: a registered attention type (``'diff'``, ``'diff_v2'``, ``'standard'``, ...). With
             ``init='upcycle'``, ``'diff'`` builds :class:`diffmm.models.upcycle.UpcycledDiffAttention`.
         lambda_init: ``'constant'`` (0.8, DiffCLIP), ``'depth'`` (by the index within the tower) or a number.
-        backend: attention backend of the new layers.
+        backend: attention backend of the new layers (default: the replaced diffmm layer's, else automatic).
         generator: RNG for the upcycled layers' random parts.
     """
     if init not in INITS:
@@ -194,7 +194,8 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
             where = f"{tower} layer {i} ({type(old).__name__})"
             w, convention, attrs = extract_weights(old, where)
             ref = old.out_proj.weight if hasattr(old, "out_proj") else old.proj.weight
-            new = _build(w, attn_type, init, layer_idx=i, lambda_init=lambda_init, backend=backend,
+            new = _build(w, attn_type, init, layer_idx=i, lambda_init=lambda_init,
+                         backend=backend if backend is not None else getattr(old, "backend", None),
                          generator=generator)
             new = adapt(new.to(device=ref.device, dtype=ref.dtype), convention,
                         **{k: v for k, v in attrs.items() if v is not None})

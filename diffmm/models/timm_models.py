@@ -130,6 +130,7 @@ def _register_all() -> list[str]:
         cfgs[variant] = dict(url="", num_classes=0, input_size=(3, v.image_size, v.image_size), pool_size=None,
                              crop_pct=1.0, interpolation="bicubic", mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD,
                              first_conv="patch_embed.proj", classifier="head", license="apache-2.0")
+        timm_attn_layer(v.attn_type, lambda_init=v.lambda_init)  # create the class now: whole-model pickles find it
         fn = _entrypoint(variant, name)
         setattr(sys.modules[__name__], variant, fn)
         names.append(variant)

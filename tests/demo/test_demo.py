@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -149,6 +150,7 @@ def test_failed_step_is_reported_and_sets_exit_status(demo_data, tmp_path, monke
         raise RuntimeError("needle exploded")
 
     monkeypatch.setattr(ev, "needle", broken)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: Lightning's own progress bar
     out = str(tmp_path / "report")
     rc = run_demo(_tiny_config(demo_data, out, parts=("lm",), seeds=(0,)), command="test")
     assert rc == 1
@@ -157,6 +159,7 @@ def test_failed_step_is_reported_and_sets_exit_status(demo_data, tmp_path, monke
     status = {s["name"]: s for s in res["steps"]}
     assert status["eval needle diff-tiny seed 0"]["status"] == "failed"
     assert "needle exploded" in status["eval needle diff-tiny seed 0"]["error"]
+    assert status["train diff-tiny seed 0 (2 steps x 4 rows)"]["status"] == "ok"
     assert status["eval val diff-tiny seed 0"]["status"] == "ok"  # the other evaluations still ran
     assert status["plot needle retrieval"]["status"] == "skipped"
     assert res["lm"]["summary"]["diff-tiny"]["val_loss"]["n"] == 1

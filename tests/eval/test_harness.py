@@ -99,3 +99,24 @@ def test_unknown_task_is_a_clear_error(tasks_dir):
     tok = WordTokenizer()
     with pytest.raises(EvalError, match=r"unknown task\(s\) \['nope_task'\]"):
         run_lm_eval(DiffmmLM(UnigramLM(8), tok), ["nope_task"], include_path=tasks_dir)
+
+
+def test_model_args_string_loads_an_export(tmp_path):
+    """lm-eval's --model_args path: a diffmm export folder plus a tokenizer spec, via the registry name."""
+    from lm_eval.api.registry import get_model
+
+    import diffmm.eval.harness  # noqa: F401  (registers "diffmm")
+    from diffmm.hub.diffmm_export import save_export
+    from diffmm.models.lm import DiffLM, LMConfig
+
+    torch.manual_seed(0)
+    model = DiffLM(LMConfig(vocab_size=49408, block_size=64, n_layer=1, n_embd=32, n_head=4)).eval()
+    save_export(model, tmp_path / "lm")
+    lm = get_model("diffmm").create_from_arg_string(f"path={tmp_path / 'lm'},tokenizer=clip,batch_size=2")
+    (ll, _), = lm.loglikelihood([_Req("the cat sat on", " the mat")])
+    ids = lm.tok.encode("the cat sat on") + lm.tok.encode(" the mat")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids[:-1]])), -1)[0]
+    n = len(lm.tok.encode(" the mat"))
+    expected = float(sum(logp[len(ids) - 1 - n + i, ids[len(ids) - n + i]] for i in range(n)))
+    assert ll == pytest.approx(expected, rel=1e-5) and lm.max_length == 64

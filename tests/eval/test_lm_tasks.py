@@ -88,6 +88,17 @@ def test_needle_accuracy_known_by_depth():
     assert "depth 75%" in res.to_markdown()
 
 
+def test_needle_small_context_skips_long_sentences():
+    """Sentences longer than the whole haystack budget are skipped, not the end of the haystack."""
+    tok = WordTokenizer()
+    long = " ".join(["word"] * 300) + "."
+    sentences = [long, "A short one.", long, "Another short one.", "Third one here."] * 3
+    cfg = NeedleConfig(context_length=80, num_needles=2, num_queried=1, depths=(0.5,), trials=1)
+    for seed in range(5):
+        p = NeedleBuilder(tok, sentences, cfg).trial(0.5, random.Random(seed))[0]
+        assert len(p.tokens) <= 80 and "word word" not in tok.decode(p.tokens)
+
+
 def test_needle_bad_config():
     with pytest.raises(EvalError, match="R .* <= N"):
         NeedleConfig(num_needles=2, num_queried=3)

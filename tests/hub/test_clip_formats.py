@@ -214,3 +214,16 @@ def test_export_cli_from_lightning_and_official(tmp_path, capsys):
     assert "--trust-pickle" in capsys.readouterr().err
     assert export_main([str(tmp_path / "best.pt"), str(tmp_path / "out2"), "--trust-pickle"]) == 0
     assert json.loads((tmp_path / "out2" / "config.json").read_text())["diffmm_export"]["kind"] == "clip"
+
+
+def test_open_clip_weights_into_named_open_clip_layout(tmp_path):
+    torch.manual_seed(0)
+    oc = CLIP(embed_dim=128, vision_cfg=dict(image_size=64, patch_size=8, width=128, layers=4, head_width=32),
+              text_cfg=dict(context_length=32, vocab_size=49408, width=128, heads=4, layers=4)).eval()
+    save_file(oc.state_dict(), str(tmp_path / "oc.safetensors"))
+    m = create_model("OpenCLIP-Tiny", pretrained=str(tmp_path / "oc.safetensors")).eval()
+    img, txt = inputs(64, 32, vocab=49408)
+    for a, b in zip(feats(m, img, txt), feats(oc, img, txt)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(KeyError, match="missing keys: visual.patch_embed.proj.bias; unexpected keys: visual.norm_pre"):
+        create_model("CLIP-Tiny", pretrained=str(tmp_path / "oc.safetensors"))  # DiffCLIP layout: no pre-norm

@@ -39,7 +39,7 @@ def small_inputs(n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 def test_configs_cover_sizes_and_variants():
     names = set(list_models())
     for size in ("ViT-B-16", "ViT-B-32", "ViT-L-14", "Tiny"):
-        for var in ("DiffCLIP", "DiffCLIP-star", "DiffCLIP-dagger", "CLIP"):
+        for var in ("DiffCLIP", "DiffCLIP-star", "DiffCLIP-dagger", "CLIP", "OpenCLIP"):
             assert f"{var}-{size}" in names
     b16 = get_model_config("DiffCLIP-ViT-B-16")
     assert (b16.vision_cfg.width, b16.vision_cfg.heads, b16.text_cfg.width, b16.text_cfg.heads) == (768, 12, 512, 8)
