@@ -10,7 +10,7 @@ _EXPORTS = {
     "CLIPModule": "clip_module", "LMModule": "lm_module", "TrainModule": "base",
     "ImageTextDataModule": "datamodules", "TextDataModule": "datamodules", "ShardDataModule": "datamodules",
     "ContrastiveLoss": "losses", "ResumableLoader": "resume", "AtomicCheckpointIO": "checkpoint_io",
-    "param_groups": "optim", "WarmupCosine": "optim", "ConfigError": "errors",
+    "param_groups": "optim", "WarmupCosine": "optim", "ConfigError": "errors", "BlockFSDPStrategy": "strategies",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,8 +3,8 @@
 Distributed contrastive loss, with ``W`` ranks each holding ``B`` pairs:
 
 * ``gather_with_grad=True`` (default): features are all-gathered with an autograd-aware collective
-  (``torch.distributed.nn.functional.all_gather``), whose backward sums the gradients that every
-  rank's loss sends to each rank's features. Combined with DDP's gradient averaging, the update
+  (:class:`AllGatherWithGrad`), whose backward sums the gradients that every rank's loss sends to
+  each rank's features (a reduce-scatter). Combined with DDP's gradient averaging, the update
   equals that of one process on the whole ``W * B`` batch, with or without ``local_loss``.
 * ``local_loss=True``: each rank only computes the rows of the logit matrix that belong to its own
   pairs, ``(B, W*B)`` instead of ``(W*B, W*B)``; same gradients (with gathered gradients), ``W``
@@ -31,6 +31,34 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+class AllGatherWithGrad(torch.autograd.Function):
+    """``(B, ...)`` on every rank -> ``(W*B, ...)`` rank-major; backward: sum the gradient over ranks, keep our rows.
+
+    All ranks must pass the same shape. The backward is a reduce-scatter (NCCL) or an all-reduce
+    followed by slicing (other backends, e.g. gloo).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ctx.rows = (rank * x.shape[0], (rank + 1) * x.shape[0])
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        lo, hi = ctx.rows
+        grad = grad.contiguous()
+        if dist.get_backend() == "nccl":
+            out = grad.new_empty((hi - lo, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad)
+            return out
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad[lo:hi]
+
+
 def gather_features(image_features: torch.Tensor, text_features: torch.Tensor, *,
                     gather_with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather ``(B, D)`` features from every rank into ``(W*B, D)``, rank-major.
@@ -43,9 +71,7 @@ def gather_features(image_features: torch.Tensor, text_features: torch.Tensor, *
     if world == 1:
         return image_features, text_features
     if gather_with_grad:
-        from torch.distributed.nn.functional import all_gather
-
-        return torch.cat(all_gather(image_features), 0), torch.cat(all_gather(text_features), 0)
+        return AllGatherWithGrad.apply(image_features), AllGatherWithGrad.apply(text_features)
     out = []
     for feats in (image_features, text_features):
         parts = [torch.empty_like(feats) for _ in range(world)]

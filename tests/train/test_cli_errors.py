@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from conftest import lm_config, write_yaml
+from train_configs import lm_config, write_yaml
 from diffmm.train.cli import main
 
 

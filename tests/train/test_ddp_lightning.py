@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import clip_config, read_metrics, series, write_yaml
+from train_configs import clip_config, read_metrics, series, write_yaml
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import clip_config, lm_config, read_metrics, series, write_yaml
+from train_configs import clip_config, lm_config, read_metrics, series, write_yaml
 from diffmm.train.cli import run_cli
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from conftest import SHRINK
+from train_configs import SHRINK
 from diffmm.train.base import enable_grad_checkpointing
 from diffmm.train.clip_module import MAX_LOGIT_SCALE, CLIPModule
 from diffmm.train.datamodules import ImageTextDataModule

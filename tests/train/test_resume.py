@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from conftest import clip_config, lm_config, read_metrics, series, write_yaml
+from train_configs import clip_config, lm_config, read_metrics, series, write_yaml
 from diffmm.train.cli import run_cli
 
 STEPS, CKPT_EVERY, CRASH_AT = 12, 4, 10

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import lm_config, read_metrics, series, write_yaml
+from train_configs import lm_config, read_metrics, series, write_yaml
 from diffmm.train.cli import run_cli
 
 STEPS, CKPT_EVERY, KILL_AFTER = 24, 4, 12
