@@ -4,7 +4,7 @@ Two modes, one script (run from the repo root with ``PYTHONPATH=.``):
 
 ``--device cpu``
     Whole attention *layers* (projections included, so diffmm and timm are compared like with
-    like): diffmm ``nn.DiffAttention`` with each CPU backend (auto, sdpa split / pair layouts,
+    like): diffmm ``nn.DiffAttention`` with each CPU backend (auto, sdpa combined / split / pair layouts,
     reference), timm ``DiffAttention`` (fused SDPA path, two calls) and a standard-attention layer
     of equal width (``diffmm.nn.Attention``, 2h heads of dim d, SDPA), fp32. Every case runs in a
     fresh subprocess; peak memory is the rise of the process's peak RSS (VmHWM, reset through
@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm", "standard-sdpa"]
-CUDA_IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "official-4call", "standard-sdpa"]
+CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm", "standard-sdpa"]
+CUDA_IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "sdpa-combined", "official-4call", "standard-sdpa"]
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
@@ -285,7 +285,7 @@ def _cuda_case(impl, B, N, h, d, causal, dtype):
     kw = dict(causal=causal, norm_weight=w, lambda_init=0.2)
     if impl == "fused-triton":
         return leaves, lambda: diff_attention(q, k, v, lam, backend="triton", **kw)
-    if impl in ("sdpa-pair", "sdpa-split"):
+    if impl in ("sdpa-pair", "sdpa-split", "sdpa-combined"):
         return leaves, lambda: diff_attention_sdpa(q, k, v, lam, layout=impl.split("-")[1], **kw)
     return leaves, lambda: _four_call(q, k, v, lam, w, causal)
 
@@ -364,7 +364,7 @@ def cuda_summary(rows: list[dict]) -> list[dict]:
             continue
         f = by["fused-triton"]
         s = {"d": key[0], "N": key[1], "causal": key[2], "fused_fwd_tflops": f["fwd_tflops"]}
-        unfused = [by[k]["fwdbwd_ms"] for k in ("sdpa-pair", "sdpa-split") if k in by]
+        unfused = [by[k]["fwdbwd_ms"] for k in ("sdpa-pair", "sdpa-split", "sdpa-combined") if k in by]
         if unfused:
             s["fwdbwd_speedup_vs_best_unfused"] = min(unfused) / f["fwdbwd_ms"]
         if "standard-sdpa" in by:

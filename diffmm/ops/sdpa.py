@@ -1,15 +1,18 @@
-"""The ``sdpa`` backend: PyTorch ``scaled_dot_product_attention``.
+"""The ``sdpa`` backend: PyTorch ``scaled_dot_product_attention`` (and, on CPU, its FLOP-lean sibling).
 
-Two layouts for the differential call:
+Three layouts for the differential call:
 
+- ``combined``: the two maps are formed per query chunk and combined, ``(P1 - lam*P2) V``, before the one
+  product with V (:mod:`diffmm.ops.combined`, pure PyTorch with a recomputing backward). The FLOPs of
+  standard attention of equal width and memory linear in N; the CPU default.
 - ``split``: V is cut into its two d-wide halves and the four (map, half) products are stacked as
   4h heads of width d in one SDPA call. Equal q/k/v head dims make it eligible for the flash
-  kernels (CPU and CUDA), so memory stays linear in N.
+  kernels (CPU and CUDA), so memory stays linear in N, but every QK^T is computed twice.
 - ``pair``: two SDPA calls, one per map, each with the 2d-wide V. On CPU the flash kernel needs
   equal head dims, so this falls back to the math kernel (an N x S matrix); on CUDA the
   memory-efficient kernel takes it.
 
-``scripts/bench_attention.py`` measures both; ``DEFAULT_LAYOUT`` holds the default per device. For a few
+``scripts/bench_attention.py`` measures all three; ``DEFAULT_LAYOUT`` holds the default per device. For a few
 queries (KV-cache decoding, N <= ``PAIR_MAX_QUERIES``) the N x S matrix is tiny and ``split`` would copy the
 whole cache to stack it, so ``pair`` is used there.
 """
@@ -21,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from diffmm.ops._validate import prepare_mask
-from diffmm.ops.epilogue import diff_epilogue
+from diffmm.ops.combined import combined_diff_attention
+from diffmm.ops.epilogue import diff_epilogue, head_epilogue
 
-DEFAULT_LAYOUT = {"cpu": "split", "cuda": "split"}
-LAYOUTS = ("split", "pair")
+DEFAULT_LAYOUT = {"cpu": "combined", "cuda": "split"}
+LAYOUTS = ("split", "pair", "combined")
 PAIR_MAX_QUERIES = 16
 
 
@@ -58,7 +62,12 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
     q1, q2 = qt[:, 0::2], qt[:, 1::2]  # (B, h, N, d)
     k1, k2 = kt[:, 0::2], kt[:, 1::2]  # (B, h_kv, S, d)
     scale, gqa = d ** -0.5, h != h_kv
-    if _layout(q.device, layout, N) == "split":
+    chosen = _layout(q.device, layout, N)
+    if chosen == "combined":
+        a = combined_diff_attention(q, k, v, lam, spec)  # (B, h, N, 2d)
+        return head_epilogue(a, norm_weight=norm_weight, lambda_init=lambda_init, eps=eps,
+                             empty_rows=spec.empty_rows, out_dtype=q.dtype)
+    if chosen == "split":
         va, vb = vt[..., :d], vt[..., d:]  # (B, h_kv, S, d)
         Q = torch.cat([q1, q1, q2, q2], dim=1)  # (B, 4h, N, d)
         K = torch.cat([k1, k1, k2, k2], dim=1)  # (B, 4h_kv, S, d): block b of Q pairs with block b of K

@@ -31,6 +31,7 @@ def run_and_grads(fn, q, k, v, lam, **kw):
 
 UNFUSED = [("sdpa-split", lambda *a, **kw: diff_attention_sdpa(*a, layout="split", **kw)),
            ("sdpa-pair", lambda *a, **kw: diff_attention_sdpa(*a, layout="pair", **kw)),
+           ("sdpa-combined", lambda *a, **kw: diff_attention_sdpa(*a, layout="combined", **kw)),
            ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
 
 
@@ -55,6 +56,37 @@ def test_backend_matches_reference_fp64(name, fn, causal, case):
     for n, a, b in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
     torch.testing.assert_close(grads[3], ref_grads[3], atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["gqa", "pad", "float-mask"])
+def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, case):
+    """The ``combined`` layout walks the queries in chunks (here 1-3 rows); chunk seams and causal key
+    truncation must not change anything, nor may a per-head additive mask."""
+    import diffmm.ops.combined as combined
+    monkeypatch.setattr(combined, "CHUNK_ELEMENTS", 2 * 2 * 4 * 17)  # rows per chunk: 1 (B=2, h=4, S=17)
+    q, k, v, lam, mask = make_inputs(N=17, h=4, h_kv=2 if case == "gqa" else 4, pad=case == "pad")
+    if case == "float-mask":
+        g = torch.Generator().manual_seed(5)
+        mask = torch.randn(2, 4, 17, 17, generator=g, dtype=F64)
+        mask[0, 1, 3] = float("-inf")  # one empty row in one head
+    extra = dict(norm_weight=torch.rand(2 * q.shape[-1], dtype=F64) + 0.5, lambda_init=0.2)
+    ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=causal, attn_mask=mask,
+                                       **extra)
+    out, grads = run_and_grads(lambda *a, **kw: diff_attention_sdpa(*a, layout="combined", **kw), q, k, v, lam,
+                               causal=causal, attn_mask=mask, **extra)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    for n, a, b in zip(["q", "k", "v", "lam"], grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+
+
+def test_combined_layout_memory_does_not_store_maps():
+    """The autograd graph of the ``combined`` layout keeps only q, k, v and lam, not the N x S maps."""
+    q, k, v, lam, _ = make_inputs(B=1, N=64, h=2, h_kv=2, d=8)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        diff_attention_sdpa(q, k, v, lam, layout="combined")
+    assert saved and max(saved) <= q.numel()
 
 
 def naive_diff_attention(q, k, v, lam, causal=False, mask=None, norm_weight=None, lambda_init=None, eps=1e-5):
