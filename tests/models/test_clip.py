@@ -11,7 +11,7 @@ from open_clip.model import CLIP
 import diffmm
 from diffmm.hub.clip_convert import open_clip_to_diffmm
 from diffmm.models.clip import CLIPConfig, DiffCLIP, create_model, from_open_clip_config, get_model_config, list_models
-from diffmm.nn import DiffAttention
+from diffmm.nn import DiffAttention, DiffV2Attention
 from diffmm.nn.attention import Attention
 
 OC_CFG = dict(embed_dim=48, vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=2, head_width=16),
@@ -41,6 +41,7 @@ def test_configs_cover_sizes_and_variants():
     for size in ("ViT-B-16", "ViT-B-32", "ViT-L-14", "Tiny"):
         for var in ("DiffCLIP", "DiffCLIP-star", "DiffCLIP-dagger", "CLIP", "OpenCLIP"):
             assert f"{var}-{size}" in names
+    assert {"DiffCLIPv2-Tiny", "DiffCLIPv2-ViT-B-16"} <= names
     b16 = get_model_config("DiffCLIP-ViT-B-16")
     assert (b16.vision_cfg.width, b16.vision_cfg.heads, b16.text_cfg.width, b16.text_cfg.heads) == (768, 12, 512, 8)
     assert (b16.text_cfg.context_length, b16.text_cfg.vocab_size, b16.embed_dim) == (77, 49408, 512)
@@ -156,8 +157,10 @@ def test_zero_shot_classifier_runs_unchanged():
 
 
 def test_diff_v2_towers_train():
-    m = create_model("DiffCLIP-Tiny", vision_cfg={"attn_type": "diff_v2", "image_size": 32},
-                     text_cfg={"attn_type": "diff_v2", "vocab_size": 1000, "context_length": 16})
+    m = create_model("DiffCLIPv2-Tiny", vision_cfg={"image_size": 32},
+                     text_cfg={"vocab_size": 1000, "context_length": 16})
+    for block in list(m.visual.blocks) + list(m.transformer.resblocks):
+        assert isinstance(block.attn, DiffV2Attention) and block.attn.num_heads == 4  # the twin's heads, 8 q maps
     i, t, s = m(*small_inputs())
     (i.sum() + t.sum()).backward()
     assert m.visual.blocks[0].attn.lambda_proj.weight.grad.abs().sum() > 0

@@ -55,7 +55,7 @@ def test_tiny_configs_use_the_demo_data():
     from diffmm.data.urls import expand_sources
 
     for name in ("diffclip_tiny_emoji.yaml", "clip_tiny_emoji.yaml", "lm_diff_tiny_pydocs.yaml",
-                 "lm_transformer_tiny_pydocs.yaml"):
+                 "lm_transformer_tiny_pydocs.yaml", "diffclipv2_tiny_emoji.yaml", "lm_diff_v2_tiny_pydocs.yaml"):
         cfg = _load(name)
         assert cfg["trainer"]["accelerator"] == "cpu"
         d = cfg["data"]["init_args"]
