@@ -19,6 +19,7 @@ auto-dispatch picks it on CPU (see :mod:`diffmm.ops.sdpa`).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from diffmm.ops._validate import MaskSpec, causal_keep
 from diffmm.ops.epilogue import compute_dtype
@@ -87,6 +88,7 @@ class _CombinedDiffAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q12, k12, v, lam = ctx.saved_tensors
         geo = ctx.geo

@@ -65,7 +65,7 @@ def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, c
     truncation must not change anything, nor may a per-head additive mask."""
     import diffmm.ops.combined as combined
     monkeypatch.setattr(combined, "CHUNK_ELEMENTS", 2 * 2 * 4 * 17)  # rows per chunk: 1 (B=2, h=4, S=17)
-    q, k, v, lam, mask = make_inputs(N=17, h=4, h_kv=2 if case == "gqa" else 4, pad=case == "pad")
+    q, k, v, lam, mask = make_inputs(N=17, h=4, h_kv=4 if case == "pad" else 2, pad=case == "pad")
     if case == "float-mask":
         g = torch.Generator().manual_seed(5)
         mask = torch.randn(2, 4, 17, 17, generator=g, dtype=F64)
