@@ -36,7 +36,6 @@ from diffmm.nn import DiffAttention, create_attention, register_attention
 from diffmm.nn.diff_attention import check_heads
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import resolve_lambda_init
-from diffmm.nn.norm import RMSNorm
 from diffmm.nn.rope import apply_rope
 from diffmm.ops import diff_attention
 
@@ -108,17 +107,8 @@ class UpcycledDiffAttention(DiffAttention):
             raise ValueError(f"UpcycledDiffAttention: lambda_init {self.lambda_init} must be < 1 "
                              f"(the raw branch is scaled by 1 / (1 - lambda_init))")
         self.lambda_std = lambda_std
-        h, hk, d = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(dim, 2 * h * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, 2 * hk * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, 2 * hk * d, bias=qkv_bias)
-        self.out_proj = nn.Linear(2 * h * d, dim, bias=proj_bias)
-        self.lambda_q1 = nn.Parameter(torch.empty(d))
-        self.lambda_k1 = nn.Parameter(torch.empty(d))
-        self.lambda_q2 = nn.Parameter(torch.empty(d))
-        self.lambda_k2 = nn.Parameter(torch.empty(d))
-        self.diff_norm = RMSNorm(2 * d, eps=norm_eps)
-        self.norm_gate = nn.Parameter(torch.zeros(h))  # beta: 0 = raw (pretrained) head, 1 = the paper's head
+        self._make_params(qkv_bias, proj_bias, norm_eps)  # DiffAttention's, at E = hd
+        self.norm_gate = nn.Parameter(torch.zeros(num_heads))  # beta: 0 = raw (pretrained) head, 1 = the paper's head
         self.reset_lambda()
 
     def set_layer_idx(self, layer_idx: int) -> None:

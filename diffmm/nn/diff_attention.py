@@ -65,7 +65,12 @@ class DiffAttention(nn.Module):
         self.lambda_init_spec = lambda_init
         self.lambda_init = resolve_lambda_init(lambda_init, layer_idx)
         self.lambda_std = lambda_std
-        h, hk, d = num_heads, num_kv_heads, head_dim
+        self._make_params(qkv_bias, proj_bias, norm_eps)
+        self.reset_lambda()
+
+    def _make_params(self, qkv_bias: bool, proj_bias: bool, norm_eps: float) -> None:
+        """Projections (q/k: 2 components per head; v: 2d wide), the four lambda vectors, the head norm."""
+        dim, h, hk, d = self.dim, self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(dim, 2 * h * d, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, 2 * hk * d, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, 2 * hk * d, bias=qkv_bias)
@@ -75,7 +80,6 @@ class DiffAttention(nn.Module):
         self.lambda_q2 = nn.Parameter(torch.empty(d))
         self.lambda_k2 = nn.Parameter(torch.empty(d))
         self.diff_norm = RMSNorm(2 * d, eps=norm_eps)
-        self.reset_lambda()
 
     def reset_lambda(self) -> None:
         """Re-draw the lambda vectors from N(0, lambda_std)."""
