@@ -14,6 +14,11 @@ batches. Reported per variant (mean +- std over seeds):
 
     python scripts/compare_lm_variants.py                       # ~10 min of one core
     python scripts/compare_lm_variants.py --steps 50 --seeds 0  # smoke run
+
+Ablation knobs for DIFF V1 (defaults = the library's defaults, i.e. no change): ``--lambda-init``,
+``--lambda-std``, ``--lambda-lr-mult`` (lr multiplier of the lambda vectors), ``--v1-out-init-scale`` and
+``--v1-v-init-scale`` (multiply V1's attention ``out_proj`` / ``v_proj`` init weights after the usual init,
+so the random draws stay the same). V1 runs also record lambda per layer (``lambda_trace``).
 """
 from __future__ import annotations
 
@@ -128,40 +133,59 @@ def lr_at(step: int, a) -> float:
 def run(variant: str, seed: int, train: torch.Tensor, val: torch.Tensor, vocab: int, a) -> dict:
     torch.manual_seed(seed)
     cfg = LMConfig(vocab_size=vocab, block_size=a.seq, n_layer=a.layers, n_embd=a.dim, n_head=a.heads,
-                   n_kv_head=a.kv_heads, attention=variant)
+                   n_kv_head=a.kv_heads, attention=variant, lambda_init=a.lambda_init, lambda_std=a.lambda_std)
     model = DiffLM(cfg)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.98), eps=1e-8)
+    if variant == "diff":  # V1-only init ablations: rescale after the usual init (same random draws)
+        with torch.no_grad():
+            for b in model.blocks:
+                b.attn.out_proj.weight.mul_(a.v1_out_init_scale)
+                b.attn.v_proj.weight.mul_(a.v1_v_init_scale)
+    named = list(model.named_parameters())
+    lambdas = [p for n, p in named if n.rsplit(".", 1)[-1].startswith("lambda_")]
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2 and not n.rsplit(".", 1)[-1].startswith("lambda_")]
+    groups = [{"params": decay, "weight_decay": a.wd, "lr_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0}]
+    if lambdas:  # 1-D like the norms: no weight decay
+        groups.append({"params": lambdas, "weight_decay": 0.0, "lr_mult": a.lambda_lr_mult})
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.98), eps=1e-8)
+    lam_layers = [b.attn for b in model.blocks if hasattr(b.attn, "lambda_full")]
+    lambda_trace = []  # (step, [lambda per layer]) every 25 steps and at the end
     g = torch.Generator().manual_seed(1000 + seed)  # same batches for every variant of this seed
     vg = torch.Generator().manual_seed(12345)  # same val windows for every run
     val_starts = torch.randint(0, len(val) - a.seq - 1, (a.val_batches, a.batch), generator=vg)
     norms, losses, t0 = [], [], time.perf_counter()
-    spikes = 0
+    spikes, spike_steps = 0, []
     for step in range(a.steps):
         x, y = windows(train, torch.randint(0, len(train) - a.seq - 1, (a.batch,), generator=g), a.seq)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, a)
+            group["lr"] = lr_at(step, a) * group["lr_mult"]
+        if lam_layers and step % 25 == 0:
+            with torch.no_grad():
+                lambda_trace.append((step, [round(m.lambda_full().item(), 4) for m in lam_layers]))
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip if a.clip > 0 else float("inf")).item()
-        if step >= a.warmup and len(norms) >= a.window:
-            spikes += gn > a.spike_k * statistics.median(norms[-a.window:])
+        if step >= a.warmup and len(norms) >= a.window and gn > a.spike_k * statistics.median(norms[-a.window:]):
+            spikes += 1
+            spike_steps.append(step)
         norms.append(gn)
         losses.append(loss.item())
         opt.step()
         if not math.isfinite(loss.item()):
             break
     model.eval()
+    if lam_layers:
+        with torch.no_grad():
+            lambda_trace.append((a.steps, [round(m.lambda_full().item(), 4) for m in lam_layers]))
     with torch.no_grad():
         vl = [model(*windows(val, s, a.seq))[1].item() for s in val_starts]
     top_logit, top_hidden = outliers(model, windows(val, val_starts[0], a.seq)[0])
     return dict(variant=variant, seed=seed, params=model.param_report()["non_embedding"],
                 val_loss=statistics.mean(vl), train_loss_last=statistics.mean(losses[-20:]), spikes=int(spikes),
                 max_grad_norm=max(norms), top_attn_logit=top_logit, top_hidden=top_hidden,
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, spike_steps=spike_steps, lambda_trace=lambda_trace)
 
 
 def summarize(results: list[dict]) -> str:
@@ -180,6 +204,10 @@ def summarize(results: list[dict]) -> str:
             cells.append(f.format(statistics.mean(vals)) + " +- " + f.format(sd))
         lines.append(f"| {v} | {rs[0]['params']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _lambda_init(s: str):
+    return s if s in ("depth", "constant") else float(s)
 
 
 def main(argv=None) -> int:
@@ -204,13 +232,23 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lambda-init", type=_lambda_init, default="depth",
+                   help="V1 lambda_init: 'depth' (paper), 'constant' (0.8) or a number")
+    p.add_argument("--lambda-std", type=float, default=0.1, help="V1: std of the normal init of the lambda vectors")
+    p.add_argument("--lambda-lr-mult", type=float, default=1.0, help="V1: lr multiplier of the lambda vectors")
+    p.add_argument("--v1-out-init-scale", type=float, default=1.0,
+                   help="ablation, V1 only: multiply the attention out_proj init weights by this")
+    p.add_argument("--v1-v-init-scale", type=float, default=1.0,
+                   help="ablation, V1 only: multiply the attention v_proj init weights by this")
     p.add_argument("--json", default=None, help="write every run's numbers here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     train, val, vocab, tok_desc = load_corpus(a.source, a.cache, a.vocab)
     print(f"# {tok_desc}; train {len(train):,} / val {len(val):,} tokens; E={a.dim} L={a.layers} "
           f"heads={a.heads} T={a.seq} B={a.batch} steps={a.steps} lr={a.lr} warmup={a.warmup} clip={a.clip} "
-          f"spike: > {a.spike_k} x median of previous {a.window}; threads={a.threads}", flush=True)
+          f"spike: > {a.spike_k} x median of previous {a.window}; threads={a.threads}; V1: lambda_init="
+          f"{a.lambda_init} lambda_std={a.lambda_std} lambda_lr_mult={a.lambda_lr_mult} out_init_scale="
+          f"{a.v1_out_init_scale} v_init_scale={a.v1_v_init_scale}", flush=True)
     results = []
     for seed in a.seeds:
         for v in a.variants:
@@ -218,7 +256,8 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"  seed {seed} {v:<8}: val {r['val_loss']:.4f}  spikes {r['spikes']}  max|g| "
                   f"{r['max_grad_norm']:.2f}  top logit {r['top_attn_logit']:.2f}  top hidden "
-                  f"{r['top_hidden']:.2f}  ({r['seconds']:.0f} s)", flush=True)
+                  f"{r['top_hidden']:.2f}  ({r['seconds']:.0f} s)"
+                  + (f"  lambda {r['lambda_trace'][-1][1]}" if r["lambda_trace"] else ""), flush=True)
     print("\n" + summarize(results))
     if a.json:
         with open(a.json, "w") as f:

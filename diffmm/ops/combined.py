@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from diffmm.ops._validate import MaskSpec, causal_keep
+from diffmm.ops._validate import MaskSpec
 from diffmm.ops.epilogue import compute_dtype
 
 #: Target number of score elements (both maps, all heads of a batch) per chunk: 2^22 fp32 = 16 MiB.
@@ -54,9 +54,9 @@ class _Geometry:
         qc = q12[:, :, :, :, i0:i1].reshape(B, 2, h_kv, g * n, d)
         s = torch.matmul(qc, k12[:, :, :, :s_vis].transpose(-1, -2))  # (B, 2, h_kv, g*n, s_vis)
         s6 = s.view(B, 2, h_kv, g, n, s_vis)
-        if self.is_causal:
-            keep = causal_keep(self.N, self.S, s.device)[i0:i1, :s_vis]  # (n, s_vis)
-            s6.masked_fill_(~keep, float("-inf"))
+        if self.is_causal:  # N == S and s_vis == i1: only the (n, n) diagonal block has hidden keys
+            hidden = torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1)
+            s6[..., i0:s_vis].masked_fill_(hidden, float("-inf"))
         if self.mask is not None:
             m = self.mask  # (B|1, 1|h, N|1, S)
             m = m[:, :, i0:i1] if m.shape[2] > 1 else m
