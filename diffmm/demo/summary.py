@@ -116,13 +116,16 @@ def verdict(n: int, wins: int, higher_is_better: Optional[bool], deltas: Sequenc
     return "mixed"
 
 
-def fmt(stats: dict, metric: Metric) -> str:
-    """``mean ± std`` in the metric's unit (percent metrics x100); ``n/a`` when there is no value."""
+def fmt(stats: dict, metric: Metric, signed: bool = False) -> str:
+    """``mean ± std`` in the metric's unit (percent metrics x100); ``n/a`` when there is no value.
+
+    ``signed`` writes the mean with its sign (``+0.12 ± 0.05``), for paired differences.
+    """
     if not stats or stats.get("mean") is None:
         return "n/a"
     scale = 100.0 if metric.percent else 1.0
     d = metric.digits
-    s = f"{stats['mean'] * scale:.{d}f}"
+    s = f"{stats['mean'] * scale:{'+' if signed else ''}.{d}f}"
     if stats.get("std") is not None:
         s += f" ± {stats['std'] * scale:.{d}f}"
     return s
@@ -130,11 +133,4 @@ def fmt(stats: dict, metric: Metric) -> str:
 
 def fmt_delta(stats: dict, metric: Metric) -> str:
     """Signed ``+mean ± std`` of a paired difference."""
-    if not stats or stats.get("mean") is None:
-        return "n/a"
-    scale = 100.0 if metric.percent else 1.0
-    d = metric.digits
-    s = f"{stats['mean'] * scale:+.{d}f}"
-    if stats.get("std") is not None:
-        s += f" ± {stats['std'] * scale:.{d}f}"
-    return s
+    return fmt(stats, metric, signed=True)
