@@ -18,7 +18,7 @@ register_backend(AttentionBackend(
     "eager math with fp32 softmax; the spec in code (N x S memory)"))
 register_backend(AttentionBackend(
     "sdpa", diff_attention_sdpa, attention_sdpa, lambda call: None,
-    "torch scaled_dot_product_attention; split layout (4h heads of width d) is flash-eligible"))
+    "torch scaled_dot_product_attention; CPU: maps combined before V in chunks (standard-attention FLOPs)"))
 register_backend(AttentionBackend(
     "flash", _flash.diff_attention_flash, _flash.attention_flash,
     lambda call: _flash.unsupported_reason(call.q, call.attn_mask, max(call.head_dim, call.value_dim)
