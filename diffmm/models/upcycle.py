@@ -36,7 +36,6 @@ from diffmm.nn import DiffAttention, create_attention, register_attention
 from diffmm.nn.diff_attention import check_heads
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import resolve_lambda_init
-from diffmm.nn.rope import apply_rope
 from diffmm.ops import diff_attention
 
 UPCYCLED = "diff_upcycled"
@@ -120,16 +119,8 @@ class UpcycledDiffAttention(DiffAttention):
                 causal: Optional[bool] = None) -> torch.Tensor:
         """x (B, N, E) -> (B, N, E); arguments as in :meth:`diffmm.nn.DiffAttention.forward`."""
         B, N, _ = x.shape
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, N, 2 * h, d)  # (B, N, 2h, d)
-        k = self.k_proj(x).view(B, N, 2 * hk, d)  # (B, N, 2h_kv, d)
-        v = self.v_proj(x).view(B, N, hk, 2 * d)  # (B, N, h_kv, 2d)
-        if self.use_rope:
-            if rope is None:
-                raise ValueError("UpcycledDiffAttention was built with use_rope=True; forward needs rope=(cos, sin)")
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self._qkv(x, rope, kv_cache)  # DiffAttention's projections, RoPE and cache
         a = diff_attention(q, k, v, self.lambda_full(), causal=self.causal if causal is None else causal,
                            attn_mask=attn_mask, backend=self.backend)  # (B, N, h, 2d) raw A, no norm
         af = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a

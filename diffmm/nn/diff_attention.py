@@ -93,6 +93,21 @@ class DiffAttention(nn.Module):
         l2 = torch.exp(torch.sum(self.lambda_q2.to(ct) * self.lambda_k2.to(ct)))
         return l1 - l2 + self.lambda_init
 
+    def _qkv(self, x: torch.Tensor, rope, kv_cache):
+        """Project x (B, N, E) to q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); RoPE and cache applied."""
+        B, N, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, N, 2 * h, d)  # components 2i, 2i+1 belong to head i
+        k = self.k_proj(x).view(B, N, 2 * hk, d)
+        v = self.v_proj(x).view(B, N, hk, 2 * d)
+        if self.use_rope:
+            if rope is None:
+                raise ValueError(f"{type(self).__name__} was built with use_rope=True; forward needs rope=(cos, sin)")
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        return q, k, v
+
     def forward(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
                 causal: Optional[bool] = None) -> torch.Tensor:
@@ -106,16 +121,8 @@ class DiffAttention(nn.Module):
             causal: override the layer's default.
         """
         B, N, _ = x.shape
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, N, 2 * h, d)  # (B, N, 2h, d) components 2i, 2i+1 belong to head i
-        k = self.k_proj(x).view(B, N, 2 * hk, d)  # (B, N, 2h_kv, d)
-        v = self.v_proj(x).view(B, N, hk, 2 * d)  # (B, N, h_kv, 2d)
-        if self.use_rope:
-            if rope is None:
-                raise ValueError("DiffAttention was built with use_rope=True; forward needs rope=(cos, sin)")
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self._qkv(x, rope, kv_cache)
         out = diff_attention(q, k, v, self.lambda_full(), causal=self.causal if causal is None else causal,
                              attn_mask=attn_mask, norm_weight=self.diff_norm.weight, lambda_init=self.lambda_init,
                              eps=self.diff_norm.eps, backend=self.backend)  # (B, N, h, 2d)
