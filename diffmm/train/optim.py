@@ -135,7 +135,7 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
             group["lr"] = base * fn(self.last_epoch)
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.restore_changes:
-            self.restore_changes["lr_at_step"] = (before[0], self._last_lr[0])
+            self.restore_changes["lr_at_step"] = (before[0], self._last_lr[0], self.last_epoch)
 
     def describe_restore(self) -> str:
         """One line on how the restored schedule differs from the saved one ('' when it does not)."""
@@ -143,10 +143,10 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
             return ""
         c = self.restore_changes
         names = {"total_steps": "total_steps", "warmup_steps": "warmup_steps", "min_ratio": "min_lr/lr", "lr": "lr"}
-        diffs = ", ".join(f"{names[k]} {a:g} -> {b:g}" for k, (a, b) in c.items() if k in names)
-        a, b = c["lr_at_step"]
+        diffs = ", ".join(f"{names[k]} {v[0]:g} -> {v[1]:g}" for k, v in c.items() if k in names)
+        a, b, step = c["lr_at_step"]
         return (f"resume: lr schedule recomputed from the current settings ({diffs}; warmup {self.schedule.warmup_steps} "
-                f"steps); lr at step {self.last_epoch} re-derived: {a:.3g} -> {b:.3g}")
+                f"steps); lr at step {step} re-derived: {a:.3g} -> {b:.3g}")
 
 
 def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
