@@ -124,8 +124,12 @@ class NonFiniteGuard(pl.Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach()
         bad = ~torch.isfinite(loss).all()
-        self._bad = bad if self._bad is None else self._bad | bad
-        self._loss = loss
+        value = loss.float().reshape(-1)[0] if loss.numel() else torch.tensor(math.nan, device=loss.device)
+        if self._bad is None:
+            self._bad, self._loss = bad, value
+        else:  # gradient accumulation: remember the first non-finite value of the step
+            self._loss = torch.where(self._bad, self._loss, value)
+            self._bad = self._bad | bad
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
@@ -136,7 +140,8 @@ class NonFiniteGuard(pl.Callback):
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)  # any rank
         if not bad:
             return
-        value = self._loss.float().reshape(-1)[0].item() if self._loss is not None and self._loss.numel() else math.nan
+        value = self._loss.item() if self._loss is not None else math.nan
+        value = value if not math.isfinite(value) else "on another rank"  # this rank's loss was fine
         step = trainer.global_step
         if self.action == "skip" and self.skipped < self.max_skips:
             self.skipped += 1
@@ -244,7 +249,9 @@ class Checkpoint(ModelCheckpoint):
             self._last_step_saved_as_last = trainer.global_step
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, TrainingDiverged) and self._state_is_finite(trainer):
+        # (the finiteness check is collective: only reached when a save on exception is configured at all)
+        if (not isinstance(exception, TrainingDiverged) and self._should_save_on_exception(trainer)
+                and self._state_is_finite(trainer)):
             super().on_exception(trainer, pl_module, exception)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:

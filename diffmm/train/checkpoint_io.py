@@ -31,15 +31,21 @@ _TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 
 
 def non_finite_keys(tensors: Iterable[tuple[str, Any]], limit: int = 3) -> list[str]:
-    """Names of floating-point tensors holding NaN or Inf (at most ``limit``)."""
-    bad = []
-    for name, t in tensors:
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
-            if not bool(torch.isfinite(t).all()):
-                bad.append(name)
-                if len(bad) >= limit:
-                    break
-    return bad
+    """Names of floating-point tensors holding NaN or Inf (at most ``limit``).
+
+    Uses each tensor's max and min (NaN propagates through both; no tensor-sized temporaries) and one
+    device sync per device when everything is finite.
+    """
+    items = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, t in items:
+            by_device.setdefault(t.device, []).append((name, torch.stack([t.amax(), t.amin()]).float()))
+        bad = []
+        for group in by_device.values():
+            ok = torch.isfinite(torch.stack([e for _, e in group])).all(dim=1).tolist()  # one sync per device
+            bad += [name for (name, _), good in zip(group, ok) if not good]
+    return bad[:limit]
 
 
 def _reason(e: BaseException) -> str:

@@ -165,17 +165,19 @@ class SleepEachStep(pl.Callback):
 
 
 class NaNLossAt(pl.Callback):
-    """Test-only: the training loss is NaN (and so are its gradients) at the optimizer steps in ``steps``."""
+    """Test-only: the training loss is NaN (and so are its gradients) at the optimizer steps in ``steps``
+    (on every rank, or only on ``rank``)."""
 
-    def __init__(self, steps: list[int]) -> None:
-        self.steps = set(steps)
+    def __init__(self, steps: list[int], rank: int | None = None) -> None:
+        self.steps, self.rank = set(steps), rank
 
     def setup(self, trainer, pl_module, stage):
         orig = pl_module.training_step
 
         def training_step(batch, batch_idx):
             loss = orig(batch, batch_idx)
-            return loss * float("nan") if trainer.global_step in self.steps else loss
+            here = self.rank is None or trainer.global_rank == self.rank
+            return loss * float("nan") if here and trainer.global_step in self.steps else loss
 
         pl_module.training_step = training_step
 
