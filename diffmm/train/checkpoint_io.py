@@ -154,32 +154,60 @@ def newest_last(ckpt_dir: str, root: str) -> Optional[str]:
     return max(found, key=os.path.getmtime) if found else None
 
 
-def resume_checkpoint(ckpt_dir: str, root: str) -> Optional[str]:
+def resume_checkpoint(ckpt_dir: str, root: str, move_damaged: bool = False) -> Optional[str]:
     """What ``--ckpt_path last`` resumes from: the newest ``last*.ckpt`` / ``hpc_ckpt_*.ckpt`` if intact, else
     the newest intact checkpoint of the folder (a warning names both files). ``None`` when there is none at all.
+
+    Args:
+        move_damaged: rename the damaged files newer than the one resumed from to ``NAME.damaged`` (kept for
+            inspection; a damaged ``last.ckpt`` left in place would make the next save write ``last-v1.ckpt``).
+            Only one process (global rank 0) should do this.
 
     Raises:
         ConfigError: checkpoints exist but every one is damaged (the message names each).
     """
     newest = newest_last(ckpt_dir, root)
-    if newest is None:
-        return None
-    damage = checkpoint_damage(newest)
-    if damage is None:
-        return newest
-    damaged = {newest: damage}
-    for path in candidate_checkpoints(ckpt_dir, root):
-        if path in damaged:
-            continue
+    order = candidate_checkpoints(ckpt_dir, root)
+    if newest is not None:
+        order = [newest] + [p for p in order if p != newest]
+    damaged: dict[str, str] = {}
+    for path in order:
         why = checkpoint_damage(path)
         if why is None:
-            log.warning("resume: %s is damaged (%s); resuming from %s instead, the newest intact checkpoint",
-                        newest, damage, path)
+            if damaged:
+                moved = _move_aside(damaged) if move_damaged else {}
+                log.warning("resume: %s; resuming from %s instead, the newest intact checkpoint",
+                            "; ".join(f"{p} is damaged ({w})" + (f", moved to {moved[p]}" if p in moved else "")
+                                      for p, w in damaged.items()), path)
             return path
         damaged[path] = why
+    if not damaged:
+        return None
     listing = "; ".join(f"{p}: {why}" for p, why in damaged.items())
     raise ConfigError(f"ckpt_path last: no intact checkpoint to resume from ({listing}); "
                       f"remove them to start afresh or give --ckpt_path FILE")
+
+
+def _move_aside(paths: Iterable[str]) -> dict[str, str]:
+    moved = {}
+    for path in paths:
+        target, n = f"{path}.damaged", 1
+        while os.path.exists(target):
+            target, n = f"{path}.damaged-{n}", n + 1
+        try:
+            os.replace(path, target)
+            moved[path] = target
+        except OSError:  # another process moved it, or a read-only folder: leave it
+            pass
+    return moved
+
+
+def is_global_zero_env() -> bool:
+    """Whether this process is global rank 0 according to the launcher's environment (before a trainer exists)."""
+    for var in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(var) is not None:
+            return os.environ[var] == "0"
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:

@@ -36,7 +36,8 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, default_progress_bar
-from diffmm.train.checkpoint_io import AtomicCheckpointIO, check_resume_file, newest_last, resume_checkpoint
+from diffmm.train.checkpoint_io import (AtomicCheckpointIO, check_resume_file, is_global_zero_env, newest_last,
+                                        resume_checkpoint)
 from diffmm.train.datamodules import check_shard_spec
 from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
 
@@ -89,7 +90,8 @@ class DiffmmCLI(LightningCLI):
             if spec:
                 check_shard_spec(spec, f"data.{key}")
         if config.get("ckpt_path") == "last":
-            newest = resume_checkpoint(*_checkpoint_dirs(config))  # falls back past a damaged last.ckpt
+            # the newest intact checkpoint: falls back past a damaged last.ckpt (rank 0 moves it aside)
+            newest = resume_checkpoint(*_checkpoint_dirs(config), move_damaged=is_global_zero_env())
             if newest is not None:
                 config["ckpt_path"] = newest
 

@@ -51,11 +51,16 @@ def test_every_checkpoint_damaged_is_one_error_naming_them(tmp_path):
     (ck / "last.ckpt").write_bytes(b"")
     (ck / "epoch=0-step=4.ckpt").write_bytes(b"junk")
     with pytest.raises(ConfigError) as e:
-        resume_checkpoint(str(ck), str(tmp_path))
+        resume_checkpoint(str(ck), str(tmp_path), move_damaged=True)
     msg = str(e.value)
     assert "no intact checkpoint to resume from" in msg and "\n" not in msg
     assert f"{ck / 'last.ckpt'}: empty file" in msg and str(ck / "epoch=0-step=4.ckpt") in msg
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # nothing moved when nothing resumes
     assert resume_checkpoint(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    # no last.ckpt at all: the newest intact periodic checkpoint
+    (ck / "last.ckpt").unlink()
+    torch.save({"state_dict": {}, "global_step": 2}, ck / "epoch=0-step=2.ckpt")
+    assert resume_checkpoint(str(ck), str(tmp_path)) == str(ck / "epoch=0-step=2.ckpt")
 
 
 @pytest.mark.parametrize("how", sorted(DAMAGE))
@@ -72,11 +77,10 @@ def test_damaged_last_resumes_from_the_periodic_checkpoint(tmp_path, caplog, fin
                  "--trainer.max_steps", "6"])
     periodic = ck / "epoch=0-step=4.ckpt"
     assert f"resume: {ck / 'last.ckpt'} is damaged" in caplog.text
-    assert f"resuming from {periodic} instead, the newest intact checkpoint" in caplog.text
+    assert f"moved to {ck / 'last.ckpt.damaged'}; resuming from {periodic} instead, the newest intact" in caplog.text
+    assert (ck / "last.ckpt.damaged").exists()  # kept for inspection, not deleted
     assert sorted(series(read_metrics(str(root)), "train/loss")) == [4, 5]  # steps 4 and 5 trained again
-    # (the copied run's callback state names the original folder, so Lightning writes last-v1.ckpt here)
-    newest = max(ck.glob("last*.ckpt"), key=os.path.getmtime)
-    assert torch.load(newest, weights_only=True)["global_step"] == 6
+    assert torch.load(ck / "last.ckpt", weights_only=True)["global_step"] == 6  # written where it was
     assert not (ck / ".last.ckpt.tmp-4242").exists() and "removed 1 temporary file(s)" in caplog.text
 
 
