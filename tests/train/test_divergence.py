@@ -137,3 +137,22 @@ def test_guard_options_are_checked():
         NonFiniteGuard(action="ignore")
     with pytest.raises(ValueError, match="nonfinite.max_skips must be >= 0"):
         NonFiniteGuard(max_skips=-1)
+
+
+def test_python_trainer_is_guarded_by_default(tmp_path, image_text_data):
+    """Without the CLI: TrainModule adds a NonFiniteGuard (stop) unless the trainer has one."""
+    import pytorch_lightning as pl
+
+    from train_helpers import NaNLossAt, TinyCLIP
+    from diffmm.train import CLIPModule, ImageTextDataModule
+    from diffmm.train.callbacks import NonFiniteGuard
+
+    train, val = image_text_data
+    module = CLIPModule(model=TinyCLIP(), lr=5e-3, min_lr=1e-4, warmup_steps=1)
+    data = ImageTextDataModule(train, val, batch_size=16, num_workers=0, image_size=16, context_length=16)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         default_root_dir=str(tmp_path), callbacks=[NaNLossAt([2])])
+    with pytest.raises(TrainingDiverged, match="non-finite loss \\(nan\\) at step 2 .* no checkpoint was written"):
+        trainer.fit(module, data)
+    assert sum(isinstance(cb, NonFiniteGuard) for cb in trainer.callbacks) == 1

@@ -96,16 +96,27 @@ def test_named_damaged_checkpoint_is_one_line(tmp_path, capsys, finished_run):
 
 
 # ------------------------------------------------------------------------------------- extending a run
-def test_extending_a_finished_run_continues_schedule_epoch_and_data(tmp_path, caplog, image_text_data):
+@pytest.fixture(scope="module")
+def six_step_losses(tmp_path_factory, image_text_data) -> dict[int, float]:
+    """train/loss of an uninterrupted 6-step run (the reference of the extension test)."""
+    root = tmp_path_factory.mktemp("six") / "run"
+    cfg = clip_config(str(root), image_text_data, max_steps=6, model_name=None, limit_val_batches=0)
+    run_cli(["fit", "--config", write_yaml(root.parent / "c.yaml", cfg)])
+    return series(read_metrics(str(root)), "train/loss")
+
+
+@pytest.mark.parametrize("bar", ["rich", "tqdm"])
+def test_extending_a_finished_run_continues_schedule_epoch_and_data(tmp_path, caplog, image_text_data,
+                                                                     six_step_losses, bar):
     """3 steps, then ``--ckpt_path last --trainer.max_steps 6``: the lr follows the cosine over 6 steps (well above
     min_lr at steps 3-4), the epoch stays 0 as the data continues epoch 0, and with warmup covering the first
     run (so both runs share its lr) the extended run equals an uninterrupted 6-step run exactly."""
-    cfg = clip_config("", image_text_data, max_steps=3, model_name=None, limit_val_batches=0, enable_progress_bar=True)
+    cfg = clip_config(str(tmp_path / "ext"), image_text_data, max_steps=3, model_name=None, limit_val_batches=0,
+                      enable_progress_bar=True)
+    if bar == "tqdm":  # a progress bar the user names replaces the default (rich) one
+        cfg["trainer"]["callbacks"] = [{"class_path": "diffmm.train.callbacks.TQDMStepProgressBar"}]
     lr, min_lr = cfg["model"]["init_args"]["lr"], cfg["model"]["init_args"]["min_lr"]
-    full = {**cfg, "trainer": {**cfg["trainer"], "default_root_dir": str(tmp_path / "full"), "max_steps": 6}}
-    run_cli(["fit", "--config", write_yaml(tmp_path / "full.yaml", full)])
-    ext = {**cfg, "trainer": {**cfg["trainer"], "default_root_dir": str(tmp_path / "ext")}}
-    path = write_yaml(tmp_path / "ext.yaml", ext)
+    path = write_yaml(tmp_path / "ext.yaml", cfg)
     run_cli(["fit", "--config", path])
     with caplog.at_level(logging.INFO, logger="diffmm.train"):
         cli = run_cli(["fit", "--config", path, "--ckpt_path", "last", "--trainer.max_steps", "6"])
@@ -116,12 +127,15 @@ def test_extending_a_finished_run_continues_schedule_epoch_and_data(tmp_path, ca
     assert all(epochs[s] == 0 for s in (3, 4, 5)), epochs
     assert "lr schedule recomputed from the current settings (total_steps 3 -> 6" in caplog.text
     assert "resumed data at epoch 0 after 3 batches" in caplog.text
-    full_loss, ext_loss = series(read_metrics(str(tmp_path / "full")), "train/loss"), series(rows, "train/loss")
-    assert [ext_loss[s] for s in (3, 4, 5)] == [full_loss[s] for s in (3, 4, 5)]
+    ext_loss = series(rows, "train/loss")
+    assert [ext_loss[s] for s in (3, 4, 5)] == [six_step_losses[s] for s in (3, 4, 5)]
     # the progress bar counts the epoch's 6 batches from batch 3, and the global step against max_steps
-    bar = cli.trainer.progress_bar_callback
-    assert bar.total_train_batches == 6 and bar._get_train_description(0) == "Epoch 0"
-    assert bar.get_metrics(cli.trainer, cli.model)["step"] == "6/6"
+    pbar = cli.trainer.progress_bar_callback
+    assert type(pbar).__name__ == {"rich": "RichStepProgressBar", "tqdm": "TQDMStepProgressBar"}[bar]
+    assert pbar.total_train_batches == 6 and pbar._get_train_description(0) == "Epoch 0"
+    assert pbar.get_metrics(cli.trainer, cli.model)["step"] == "6/6"
+    if bar == "tqdm":
+        assert (pbar.train_progress_bar.n, pbar.train_progress_bar.total) == (6, 6)
     # the last checkpoint of the extension is again "epoch 0, 6 of 6 batches": the next epoch starts cleanly
     ckpt = torch.load(tmp_path / "ext" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"] == 1
