@@ -148,7 +148,10 @@ def condense(e: BaseException) -> str:
     """The exception message on one line, without jsonargparse's echo of the given values."""
     text = str(e).strip() or type(e).__name__
     lines = [ln.strip().lstrip("- ").strip() for ln in text.splitlines()]
-    return " ".join(ln for ln in lines if ln and not ln.startswith(_NOISE))
+    text = " ".join(ln for ln in lines if ln and not ln.startswith(_NOISE))
+    if len(text) > 1 and text[0] == text[-1] == "'":  # a KeyError's repr-quoted message
+        text = text[1:-1]
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
