@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return W.worker(args._warm, args.dry_run, parts)
 
     device = torch.device("cpu" if args.dry_run else "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be exact (16-bit paths unaffected)
     name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
     slug = "cpu-dryrun" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     date = time.strftime("%Y-%m-%d")
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.save()
 
     jobs = args.jobs if args.jobs is not None else (0 if args.dry_run else max(1, min(12, (os.cpu_count() or 4) - 2)))
-    if jobs > 0:
+    if jobs > 0 and time.time() < ctx.deadline:
         try:
             meta["prewarm"] = W.prewarm(ctx, str(Path(__file__).resolve()), jobs, parts, PREWARM_SHARE * args.budget_s)
         except Exception as e:  # noqa: BLE001  (without it the parts compile as they go)

@@ -159,9 +159,6 @@ def run_part(ctx: Ctx, part: dict) -> None:
     """Every (backend, dtype, case); rows appended to ``part['cases']`` and saved after each."""
     from diffmm.ops import flash as _flash
 
-    if ctx.cuda:  # exact fp32 reference products
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     cases = DRY_CASES if ctx.dry else GPU_CASES
     dtypes = [torch.bfloat16, torch.float16, torch.float32]
     part["cases"], part["skipped"] = [], []

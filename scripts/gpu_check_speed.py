@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import bench_attention as BA
-from gpu_check_correctness import NAMES, TOL, autotuning, compare
+from gpu_check_correctness import TOL, autotuning, compare
 from gpu_check_lib import DTYPE_NAMES, Ctx, PartBudgetExceeded, err_line, fmt, free_memory, peak_mib, time_ms
 
 IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "official-4call", "flash-diff", "standard-sdpa", "flash-standard"]
@@ -257,4 +257,4 @@ def markdown(part: dict) -> list[str]:
     return lines
 
 
-__all__ = ["run_part", "markdown", "summary", "NAMES"]
+__all__ = ["run_part", "markdown", "summary", "kernel_stats", "kernels_markdown"]
