@@ -264,7 +264,8 @@ def main(argv=None) -> int:
     print("\n" + summarize(results))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": {**vars(a), "cache": "<cache>"}, "results": results}, f, indent=1)
+            json.dump({"args": {**vars(a), "cache": "<cache>"}, "results": results,
+                       "corpus": {"tokenizer": tok_desc, "train_tokens": len(train), "val_tokens": len(val)}}, f, indent=1)
     return 0
 
 

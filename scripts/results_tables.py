@@ -47,7 +47,7 @@ SCRIPT = "scripts/results_tables.py"
 def _load_demo(root: str) -> dict:
     path = os.path.join(root, DEMO_DIR, "results.json")
     if not os.path.isfile(path):
-        raise SystemExit(f"{path}: not found; run the demo and import it: "
+        raise SystemExit(f"{os.path.relpath(path, root)}: not found; run the demo and import it: "
                          f"`python {SCRIPT} --import-demo report`")
     with open(path) as f:
         return json.load(f)
@@ -86,7 +86,7 @@ def demo_run(root: str) -> str:
         ("steps", f"{len(steps) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else "")),
         ("wall time", f"{(r.get('wall_seconds') or 0) / 60:.1f} min (CPU {(r.get('cpu_seconds') or 0) / 60:.1f} min), "
                       f"{env['cores']} cores, {env['torch_threads']} torch thread(s), load average "
-                      f"{env.get('load_start')} at the start"),
+                      f"{env.get('load_start')} at the start, {env.get('load_end', '?')} at the end"),
         ("software", f"diffmm {env.get('diffmm')}, torch {env.get('torch')}, Python {env.get('python')}"),
         ("finished", str(r.get("finished", "?"))),
     ]
@@ -147,7 +147,8 @@ def _tiny_lm(root: str, name: str) -> str:
 
     path = os.path.join(root, TINY_LM_DIR, name + ".json")
     if not os.path.isfile(path):
-        raise SystemExit(f"{path}: not found; run `python scripts/compare_lm_variants.py ... --json {path}`")
+        rel = os.path.relpath(path, root)
+        raise SystemExit(f"{rel}: not found; run `python scripts/compare_lm_variants.py ... --json {rel}`")
     with open(path) as f:
         d = json.load(f)
     a, res = d["args"], d["results"]
@@ -265,6 +266,17 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
         json.dump(config, f, indent=1)
         f.write("\n")
     written.append(os.path.join(DEMO_DIR, "config.json"))
+    preset = config["preset"]
+    with open(os.path.join(dest, "README.md"), "w") as f:
+        f.write(f"# The demo run behind docs/results.md\n\n"
+                f"`{r['command']}`, preset **{preset}**"
+                + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {r['config']['clip_steps']} CLIP and "
+                   f"{r['config']['lm_steps']} LM steps; not the documented 3-seed comparison)" if preset == "quick" else "") + f", finished {r.get('finished', '?')}.\n\n"
+                "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
+                "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
+                "regenerates the tables of docs/results.md. The full run:\n\n"
+                "    make demo && python scripts/results_tables.py --import-demo report\n")
+    written.append(os.path.join(DEMO_DIR, "README.md"))
     report = os.path.join(run_dir, "report.md")
     if os.path.isfile(report):
         with open(report) as f:

@@ -174,8 +174,19 @@ def _strip_comment(line: str) -> tuple[str, str]:
     return line.rstrip(), ""
 
 
+LAUNCHERS = ("srun", "torchrun", "mpirun", "env", "nice", "time", "sudo", "python", "python3")
+
+
 def _diffmm_argv(words: list[str]) -> list[str] | None:
-    """The arguments after ``diffmm`` / ``python -m diffmm.cli`` in a command line, else None."""
+    """The arguments after ``diffmm`` / ``python -m diffmm.cli`` in a command line, else None.
+
+    The line must start with the command (after ``VAR=value`` words) or with a launcher (``srun``, ``torchrun``,
+    ``python -m ...``); a ``diffmm`` later in other text (a diagram, a sentence) is not a command.
+    """
+    while words and re.fullmatch(r"[A-Za-z_]\w*=\S*", words[0]):
+        words = words[1:]
+    if not words or not (os.path.basename(words[0]) == "diffmm" or os.path.basename(words[0]).startswith(LAUNCHERS)):
+        return None
     for i, w in enumerate(words):
         if os.path.basename(w) == "diffmm" and i + 1 < len(words) and re.fullmatch(r"[a-z][\w-]*", words[i + 1]):
             return words[i + 1:]
@@ -268,6 +279,7 @@ def test_docs_name_diffmm_commands():
 @pytest.mark.parametrize("cmd", [_cmd_param(c) for c in COMMANDS])
 def test_diffmm_command_parses(cmd: Command, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # configs/... paths are relative to the repository
+    monkeypatch.setattr(sys, "argv", ["diffmm", *cmd.argv])  # LightningCLI compares its args with sys.argv
     rc, out = _parse(cmd.argv)
     if rc != 0 and cmd.inline and "the following arguments are required" in out:
         rc = 0  # an inline fragment: named options are checked, omitted required ones are not
@@ -306,12 +318,9 @@ def test_script_help_runs(script):
 
 
 # ------------------------------------------------------------------------------------------ generated
-def test_generated_tables_match_their_results():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        results_tables = importlib.import_module("results_tables")
-    finally:
-        sys.path.pop(0)
+def test_generated_tables_match_their_results(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    results_tables = importlib.import_module("results_tables")
     stale = results_tables.check(ROOT)
     assert not stale, ("generated sections differ from their committed results (run "
                        "`python scripts/results_tables.py`): " + ", ".join(stale))
