@@ -22,7 +22,7 @@ Two modes, one script (run from the repo root with ``PYTHONPATH=.``):
 Examples::
 
     PYTHONPATH=. python scripts/bench_attention.py --device cpu --quick
-    PYTHONPATH=. python scripts/bench_attention.py --device cuda --json /tmp/bench.json
+    PYTHONPATH=. python scripts/bench_attention.py --device cuda --json bench_cuda.json
 """
 from __future__ import annotations
 
