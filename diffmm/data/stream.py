@@ -1,7 +1,7 @@
 """Base iterable dataset over webdataset shards: shard assignment, epochs, shuffling, batching.
 
 Subclasses turn raw samples into items (:meth:`ShardStream._process` or, for stateful work such
-as sequence packing, :meth:`ShardStream._items`) and items into a batch (:meth:`_collate`).
+as sequence packing, :meth:`ShardStream._keyed_items`) and items into a batch (:meth:`_collate`).
 Batches are built inside the DataLoader workers, so use ``batch_size=None`` in the DataLoader
 (:class:`ShardLoader` does).
 
@@ -112,6 +112,8 @@ class ShardStream(IterableDataset):
         self._local_iters = 0
         self._dist_snapshot: tuple[int, int] | None = None
         self.limits = ReadLimits(max_member_bytes, pipe_timeout)
+        #: yield ``(batch, keys)`` with the sample key of every row (``diffmm predict`` uses it)
+        self.with_keys = False
         self._counts: dict[str, ShardCount] | None = None
         self._counts_known: bool | None = None   # None: not looked up yet
 
@@ -258,8 +260,8 @@ class ShardStream(IterableDataset):
         """Turn one raw sample into an item, or count a skip and return ``None``."""
         raise NotImplementedError
 
-    def _items(self, samples: Iterator[dict]) -> Iterator[Any]:
-        """Items from raw samples; counts ``samples_in``/``samples_out``."""
+    def _keyed_items(self, samples: Iterator[dict]) -> Iterator[tuple[str, Any]]:
+        """``(sample key, item)`` from raw samples; counts ``samples_in``/``samples_out``."""
         skips = 0
         for sample in samples:
             self.stats.add("samples_in")
@@ -270,7 +272,7 @@ class ShardStream(IterableDataset):
                 continue
             skips = 0
             self.stats.add("samples_out")
-            yield item
+            yield sample["__key__"], item
 
     def _check_skips(self, consecutive: int) -> None:
         if self.equalize and consecutive >= MAX_CONSECUTIVE_SKIPS:
@@ -303,17 +305,23 @@ class ShardStream(IterableDataset):
             if quota == 0:
                 return
         batch: list[Any] = []
+        keys: list[str] = []
         n_batches = 0
-        for item in self._items(samples):
+        for key, item in self._keyed_items(samples):
             batch.append(item)
+            keys.append(key)
             if len(batch) == self.batch_size:
-                yield self._collate(batch)
-                batch = []
+                yield self._emit(batch, keys)
+                batch, keys = [], []
                 n_batches += 1
                 if quota is not None and n_batches >= quota:
                     return
         if batch and quota is None and not self.drop_last:
-            yield self._collate(batch)
+            yield self._emit(batch, keys)
+
+    def _emit(self, items: list[Any], keys: list[str]) -> Any:
+        batch = self._collate(items)
+        return (batch, keys) if self.with_keys else batch
 
 
 class ShardLoader(DataLoader):

@@ -90,9 +90,11 @@ class TextDataset(ShardStream):
             self._samples_per_epoch = tokens // (self.seq_len + 1)
         return self._samples_per_epoch
 
-    def _items(self, samples: Iterator[dict]) -> Iterator[list[int]]:
+    def _keyed_items(self, samples: Iterator[dict]) -> Iterator[tuple[str, list[int]]]:
+        """Packed rows; a row's key is ``KEY:T``, the document and token offset where the row starts."""
         row_len = self.seq_len + 1
         buf: list[int] = []
+        docs: list[tuple[int, str]] = []   # (index in buf where a document starts, its key)
         skips = 0
         for sample in samples:
             self.stats.add("samples_in")
@@ -111,13 +113,17 @@ class TextDataset(ShardStream):
                 continue
             skips = 0
             self.stats.add("samples_out")
+            docs.append((len(buf), sample["__key__"]))
             buf.extend(self.tokenizer.encode(text))
             buf.append(self.tokenizer.eos_id)
             start = 0
             while len(buf) - start >= row_len:
-                yield buf[start:start + row_len]
+                while len(docs) > 1 and docs[1][0] <= start:
+                    docs.pop(0)
+                yield f"{docs[0][1]}:{start - docs[0][0]}", buf[start:start + row_len]
                 start += row_len
             del buf[:start]
+            docs = [(i - start, k) for i, k in docs]
 
     def _collate(self, items: list[list[int]]) -> torch.Tensor:
         return torch.tensor(items, dtype=torch.long)
