@@ -173,7 +173,11 @@ def _index(specs: list[str]) -> int:
 def main(argv: list[str]) -> int:
     """Entry point of ``diffmm shards``."""
     args = build_parser().parse_args(argv)
+    import logging
+
     from diffmm.data.sources import MissingSource
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     try:
         return _run(args)

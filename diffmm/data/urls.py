@@ -117,21 +117,21 @@ class PipeStream:
         self._killed = False
 
     def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (fewer when that is what the command has sent so far; ``b""`` at the end)."""
         if self.timeout is None:
             return self.stdout.read(n)
-        chunks, want = [], n
-        while want != 0:
-            ready, _, _ = select.select([self._fd], [], [], self.timeout)
-            if not ready:
-                self.kill()
-                raise TimeoutError(f"pipe command sent no data for {self.timeout:g} s (pipe_timeout): {self.command!r}")
-            chunk = os.read(self._fd, want if want > 0 else 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            if want > 0:
-                want -= len(chunk)
-        return b"".join(chunks)
+        if n < 0:
+            chunks = []
+            while chunk := self.read(1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        if n == 0:
+            return b""
+        ready, _, _ = select.select([self._fd], [], [], self.timeout)
+        if not ready:
+            self.kill()
+            raise TimeoutError(f"pipe command sent no data for {self.timeout:g} s (pipe_timeout): {self.command!r}")
+        return os.read(self._fd, n)
 
     def kill(self) -> None:
         """End the command (and its children) now."""
