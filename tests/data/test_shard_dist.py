@@ -181,6 +181,7 @@ def test_exact_epochs_with_uneven_shard_and_worker_splits(tmp_path, dh, sizes, w
     assert seen_orders[0] != seen_orders[1]                    # a new order every epoch
 
 
+@pytest.mark.slow  # 6 spawned workers import torch: ~20 s on a quiet 2-core machine
 def test_exact_epochs_under_spawn_with_uneven_splits(tmp_path, dh):
     pattern, ids = dh.write_id_shards(str(tmp_path), [5, 9, 3, 11, 6, 8])
     per_rank, counts = _epoch_ids(pattern, 2, 3, 3, context="spawn")
