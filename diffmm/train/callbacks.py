@@ -30,7 +30,8 @@ class DataStatsMonitor(pl.Callback):
         metrics = {f"data_{stage}/samples_in": counts.get("samples_in", 0),
                    f"data_{stage}/samples_out": counts.get("samples_out", 0), f"data_{stage}/skipped": skipped}
         metrics.update({f"data_{stage}/{k}": v for k, v in counts.items()
-                        if v and (k.startswith("skip_") or k in ("shards_failed", "shards_truncated", "shards_empty"))})
+                        if v and (k.startswith("skip_") or k in ("shards_failed", "shards_truncated", "shards_empty",
+                                                                 "shards_miscounted", "samples_reread"))})
         for logger in trainer.loggers:
             logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
 
