@@ -1,13 +1,103 @@
-"""Reading checkpoint files safely: ``torch.load(weights_only=True)`` unless the caller trusts the pickle."""
+"""Reading checkpoint files safely: ``torch.load(weights_only=True)`` unless the caller trusts the pickle.
+
+Damaged files (empty, truncated, garbage, failed CRC) and weights of the wrong kind (integer or bool
+tensors for float parameters) are refused with one line naming the file and the key.
+"""
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 
 TRUST_HINT = "pass trust_pickle=True (CLI: --trust-pickle) only if you trust where this file came from"
+
+
+class DamagedFileError(ValueError):
+    """A weights or checkpoint file that cannot be read (empty, truncated, corrupt); the message names the file."""
+
+
+def torch_file_damage(path: str | os.PathLike) -> Optional[str]:
+    """Why a torch checkpoint file is unreadable (``None``: it looks intact), checked without unpickling.
+
+    Reads the zip directory and the pickle record (``data.pkl``, CRC-checked); tensor data is not read.
+    Legacy (non-zip) ``torch.save`` files are not judged.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return "empty file"
+        if not zipfile.is_zipfile(path):
+            with open(path, "rb") as f:
+                if f.read(1) == b"\x80":  # a pickle: torch's legacy (pre-1.6) format
+                    return None
+            return f"truncated or not a checkpoint ({size} bytes, no zip directory at the end)"
+        with zipfile.ZipFile(path) as z:
+            pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            if pkl is None:
+                return "a zip archive without data.pkl: not a torch checkpoint"
+            z.read(pkl)  # checks the record's CRC
+            for info in z.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"truncated (record {info.filename} ends past the end of the file)"
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
+        return f"corrupt ({e})"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return None
+
+
+#: suffixes of torch checkpoint files (zip archives written by ``torch.save``)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def safetensors_damage(path: str | os.PathLike) -> Optional[str]:
+    """Why a ``.safetensors`` file is unreadable (``None``: its header and size agree), without reading tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError (a plain Exception subclass), OSError
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, ValueError)):
+            raise
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"not a readable safetensors file ({size} bytes; {reason}); the file is truncated or corrupt"
+    return None
+
+
+def raise_if_damaged(path: str | os.PathLike) -> None:
+    """Raise :class:`DamagedFileError` naming ``path`` when a ``.safetensors`` or torch file is unreadable.
+
+    Cheap: reads headers and the pickle record, never the tensors. Other files are left to their readers.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return
+    if p.suffix == ".safetensors":
+        damage = safetensors_damage(p)
+    elif p.suffix in TORCH_SUFFIXES:
+        damage = torch_file_damage(p)
+    else:
+        return
+    if damage is not None:
+        raise DamagedFileError(f"{p}: {damage}")
+
+
+def read_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` whose errors name the file (truncated, garbage, empty, unreadable)."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such weights file")
+    damage = safetensors_damage(path)
+    if damage is not None:
+        raise DamagedFileError(f"{path}: {damage}")
+    return load_file(str(path), device=device)
 
 
 def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_location: str = "cpu") -> Any:
@@ -15,20 +105,24 @@ def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_
 
     Torch checkpoints load with ``weights_only=True``; a file that needs arbitrary pickle (e.g. the
     official DiffCLIP ``checkpoint_best.pt``, which holds an ``argparse.Namespace``) is refused with
-    a one-line message saying how to trust it.
+    a one-line message saying how to trust it. Damaged files raise :class:`DamagedFileError` naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device=map_location)
+        return read_safetensors(path, device=map_location)
+    damage = torch_file_damage(path)
+    if damage is not None:
+        raise DamagedFileError(f"{path}: {damage}")
     try:
         return torch.load(path, map_location=map_location, weights_only=not trust_pickle)
     except Exception as e:  # weights_only refusal surfaces as UnpicklingError / RuntimeError
         if not trust_pickle and ("weights_only" in str(e) or "Unsupported global" in str(e)):
             raise PermissionError(f"{path}: refusing to unpickle non-tensor objects; {TRUST_HINT}") from None
+        if isinstance(e, (RuntimeError, EOFError)):  # torch's reader on a damaged record
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DamagedFileError(f"{path}: cannot read the checkpoint ({first})") from None
         raise
 
 
@@ -37,15 +131,42 @@ def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
 
 
-def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size | tuple], *,
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_floating_point:
+        return "float"
+    if dtype.is_complex:
+        return "complex"
+    return "integer"
+
+
+def check_state_dict(state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, Any], *,
                      source: str, limit: int = 8) -> None:
-    """Raise one error naming missing, unexpected and mis-shaped keys (no partial loads)."""
+    """Raise one ``KeyError`` naming missing, unexpected, mis-shaped and wrong-dtype keys (no partial loads).
+
+    Args:
+        state_dict: the tensors to load.
+        expected: key -> the model's tensor (shape and dtype kind checked) or its shape (shape only).
+            A float parameter never takes an integer or bool tensor (``load_state_dict`` would cast it
+            silently), and an integer/bool buffer never takes a float tensor; float widths may differ
+            (fp16/bf16 files load into fp32 models).
+        source: what the error names (the file).
+    """
+    def shape_of(v: Any) -> tuple:
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)
+
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
-    shaped = [f"{k} {tuple(state_dict[k].shape)} != {tuple(expected[k])}" for k in expected
-              if k in state_dict and tuple(state_dict[k].shape) != tuple(expected[k])]
+    shaped = [f"{k} {tuple(state_dict[k].shape)} != {shape_of(expected[k])}" for k in expected
+              if k in state_dict and tuple(state_dict[k].shape) != shape_of(expected[k])]
+    typed = [f"{k} is {str(state_dict[k].dtype).replace('torch.', '')}, expected {_kind(v.dtype)} "
+             f"({str(v.dtype).replace('torch.', '')})" for k, v in expected.items()
+             if isinstance(v, torch.Tensor) and isinstance(state_dict.get(k), torch.Tensor)
+             and _kind(state_dict[k].dtype) != _kind(v.dtype)]
     parts = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", shaped)):
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", shaped),
+                         ("wrong dtype", typed)):
         if items:
             more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
             parts.append(f"{label}: {', '.join(items[:limit])}{more}")
@@ -54,9 +175,13 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, to
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename over ``path``."""
+    """``torch.save`` to a temporary file in the same folder, then rename over ``path`` (no temporary left on errors)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

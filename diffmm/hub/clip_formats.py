@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from diffmm.hub.checkpoint import check_state_dict, load_state_file
+from diffmm.hub.checkpoint import check_state_dict, load_state_file, raise_if_damaged, safetensors_damage
 from diffmm.hub.clip_convert import (infer_official_config, infer_open_clip_config, infer_timm_vit_config,
                                      mha_text_to_diffmm, open_clip_to_diffmm, strip_module, timm_vit_to_diffmm)
 from diffmm.hub.formats import CheckpointFormat, register_format
@@ -47,6 +47,8 @@ def peek_keys(path: Path, limit: int = 200_000) -> set[str]:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
+            if safetensors_damage(path) is not None:
+                return set()  # damaged: the loader names the file
             with safe_open(str(path), "pt") as f:
                 return set(f.keys())
         if not zipfile.is_zipfile(path):
@@ -186,6 +188,7 @@ SOURCES = [
 
 
 def _source_of(path: Path) -> ClipSource:
+    raise_if_damaged(path)  # a damaged file names itself instead of "not recognised"
     for src in SOURCES:
         if src.detect(path):
             return src
@@ -242,14 +245,13 @@ def read_clip_weights(path, **kw) -> tuple[dict[str, torch.Tensor], Any, str, st
     p = resolve_location(path)
     kind = _export_kind(p)
     if kind is not None:
-        from safetensors.torch import load_file
-
+        from diffmm.hub.checkpoint import read_safetensors
         from diffmm.models.clip.config import CLIPConfig
 
         if kind != "clip":
             raise ValueError(f"{p}: a diffmm export of kind {kind!r}, not 'clip'")
         cfg = CLIPConfig.from_dict(json.loads((p / CONFIG).read_text())["config"], source=str(p / CONFIG))
-        return load_file(str(p / WEIGHTS)), cfg, "clip", "diffmm_export"
+        return read_safetensors(p / WEIGHTS), cfg, "clip", "diffmm_export"
     src = _source_of(p)
     sd, cfg, towers = src.read(p, **kw)
     return sd, cfg, towers, src.name
@@ -269,8 +271,7 @@ def _export_kind(p: Path) -> Optional[str]:
 
 
 def _strict_load(module: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
-    expected = {k: v.shape for k, v in module.state_dict().items()}
-    check_state_dict(sd, expected, source=source)
+    check_state_dict(sd, module.state_dict(), source=source)  # shapes and dtype kinds
     module.load_state_dict(sd, strict=True)
 
 

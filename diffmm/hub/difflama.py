@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from diffmm.hub.checkpoint import check_state_dict
+from diffmm.hub.checkpoint import check_state_dict, read_safetensors
 from diffmm.hub.formats import CheckpointFormat, register_format
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -187,7 +187,8 @@ def from_difflama(state_dict: dict[str, torch.Tensor], cfg, *, source: str = "Di
         if emb is not None and (head.shape != emb.shape or not torch.equal(head, emb)):
             raise KeyError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
                            f"tie_word_embeddings is true")
-    check_state_dict(sd, expected, source=source)
+    # every DiffLlama tensor is a float weight: meta tensors carry shape and dtype kind for the check
+    check_state_dict(sd, {k: torch.empty(s, device="meta") for k, s in expected.items()}, source=source)
     h, hk, d = cfg.n_head // 2, cfg.n_kv_head // 2, cfg.head_dim
     out = {"wte.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     out["lm_head.weight"] = sd["model.embed_tokens.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
@@ -225,8 +226,6 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_safetensors_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a folder: the shards ``model.safetensors.index.json`` lists, else all ``*.safetensors``."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
@@ -243,7 +242,7 @@ def read_safetensors_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor
         path = folder / name
         if not path.is_file():
             raise FileNotFoundError(f"{path}: shard listed in {INDEX_FILE} does not exist")
-        part = load_file(str(path), device="cpu")
+        part = read_safetensors(path)
         dup = sorted(set(part) & set(sd))
         if dup:
             raise KeyError(f"{path}: keys already in another shard: {', '.join(dup[:8])}")

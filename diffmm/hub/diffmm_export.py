@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from diffmm.hub.checkpoint import check_state_dict
+from diffmm.hub.checkpoint import check_state_dict, read_safetensors
 from diffmm.hub.formats import CheckpointFormat, register_format
 
 MARKER = "diffmm_export"
@@ -113,8 +113,6 @@ def load_export(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
         trust_pickle: accepted for ``load_pretrained`` uniformity; safetensors never needs it.
         build_overrides: merged into the stored config before building (e.g. ``attn_backend='sdpa'``).
     """
-    from safetensors.torch import load_file
-
     _ensure_kinds()
     folder = Path(path)
     cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
@@ -132,8 +130,8 @@ def load_export(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
     entry = _KINDS[info["kind"]]
     model = entry.build_fn({**meta.get("config", {}), **build_overrides})
     expected, aliases = unique_state_dict(model)
-    sd = load_file(str(w_path), device="cpu")
-    check_state_dict(sd, {k: v.shape for k, v in expected.items()}, source=str(w_path))
+    sd = read_safetensors(w_path)
+    check_state_dict(sd, expected, source=str(w_path))  # shapes and dtype kinds
     result = model.load_state_dict(sd, strict=False)
     leftover = sorted(set(result.missing_keys) - set(aliases))
     if leftover or result.unexpected_keys:  # cannot happen after check_state_dict; guard against drift

@@ -75,7 +75,7 @@ def model_from_lightning(path: Path, *, kind: Optional[str] = None, prefix: str 
     if kind is None:
         kind = "clip" if ("image_projection" in sd or "visual.patch_embed.proj.weight" in sd) else "lm"
     model = BUILDERS[kind](hp, sd, model_name, model_config)
-    check_state_dict(sd, {k: v.shape for k, v in model.state_dict().items()}, source=str(path))
+    check_state_dict(sd, model.state_dict(), source=str(path))  # shapes and dtype kinds
     model.load_state_dict(sd, strict=True)
     return model.eval()
 

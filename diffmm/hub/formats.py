@@ -62,6 +62,9 @@ def load_pretrained(path: str | os.PathLike, *, format: str | None = None, **kwa
     p = Path(str(path))
     if not str(path).startswith(("hf-hub:", "local-dir:")) and not p.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
+    from diffmm.hub.checkpoint import raise_if_damaged
+
+    raise_if_damaged(p)  # a damaged file names itself instead of "not recognised"
     for fmt in _FORMATS.values():
         if fmt.detect(p):
             return fmt.load(path, **kwargs)

@@ -3,6 +3,7 @@ gradient checkpointing and periodic logging of lambdas and throughput. No model 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from typing import Any, Optional
@@ -12,10 +13,13 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from diffmm.train.callbacks import NonFiniteGuard
 from diffmm.train.monitor import Throughput, lambda_layers, lambda_values
 from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler
 
 _BLOCK_LIST_NAMES = ("blocks", "resblocks", "layers", "h")
+
+log = logging.getLogger("diffmm.train")
 
 
 def enable_grad_checkpointing(model: nn.Module) -> int:
@@ -56,6 +60,10 @@ class TrainModule(pl.LightningModule):
 
     Subclasses set ``self.model`` and implement ``training_step`` etc. with :meth:`run_model`
     (the compiled model when ``compile=True``) and call :meth:`log_step` from ``training_step``.
+
+    Every run is guarded against a non-finite loss: unless the trainer already has one, a
+    :class:`~diffmm.train.callbacks.NonFiniteGuard` (stop on the first NaN/Inf loss) is added.
+    On resume the lr schedule follows the current settings (see :class:`~diffmm.train.optim.WarmupCosineLR`).
 
     Args:
         lr: peak learning rate.
@@ -120,6 +128,20 @@ class TrainModule(pl.LightningModule):
             per_epoch = math.ceil(batches / max(1, trainer.accumulate_grad_batches))
             warmup = int(round(self.warmup_epochs * per_epoch))
         return min(warmup, total), total
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """A :class:`NonFiniteGuard` (stop on a NaN/Inf loss) unless the trainer has one (e.g. from the CLI)."""
+        if any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
+            return []
+        return [NonFiniteGuard()]
+
+    def on_train_start(self) -> None:
+        if self.trainer.is_global_zero:
+            for config in self.trainer.lr_scheduler_configs:
+                describe = getattr(config.scheduler, "describe_restore", None)
+                note = describe() if describe is not None else ""
+                if note:
+                    log.info("%s", note)
 
     def configure_optimizers(self) -> dict:
         groups = param_groups(self.model, self.weight_decay, self.extra_no_decay())

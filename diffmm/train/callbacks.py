@@ -1,13 +1,18 @@
-"""Callbacks the ``diffmm`` CLI always adds: checkpoints, data counters per epoch and a prediction writer."""
+"""Callbacks the ``diffmm`` CLI always adds: checkpoints that never hold NaN weights, the non-finite-loss
+guard, data counters per epoch, a prediction writer and a progress bar with real step counts."""
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
+from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint, RichProgressBar, TQDMProgressBar
+
+from diffmm.train.checkpoint_io import non_finite_keys, remove_stale_temporaries
+from diffmm.train.errors import TrainingDiverged
 
 log = logging.getLogger("diffmm.train")
 
@@ -84,16 +89,261 @@ class PredictionWriter(BasePredictionWriter):
                                                   for k, v in out.items()))
 
 
+def last_good_checkpoint(trainer: pl.Trainer) -> tuple[Optional[str], Optional[int]]:
+    """``(path, step)`` of the newest checkpoint this run wrote (or resumed from); ``(None, None)`` if none."""
+    best: tuple[Optional[str], Optional[int]] = (None, None)
+    for cb in trainer.checkpoint_callbacks:
+        path, step = getattr(cb, "_last_checkpoint_saved", None), getattr(cb, "_last_global_step_saved", -1)
+        if path and os.path.exists(path) and (best[1] is None or step > best[1]):
+            best = (path, step)
+    if best[0] is None and trainer.ckpt_path and os.path.exists(str(trainer.ckpt_path)):
+        return str(trainer.ckpt_path), None
+    return best
+
+
+class NonFiniteGuard(pl.Callback):
+    """Stops training (default) or skips the update when the loss is NaN or Inf.
+
+    The loss of every (micro-)batch is checked before backward; the decision is taken before the
+    optimizer step (one device sync per step, and one small all-reduce under DDP/FSDP so every rank
+    agrees). Nothing is updated with non-finite gradients.
+
+    Args:
+        action: ``stop``: raise :class:`~diffmm.train.errors.TrainingDiverged` naming the step and the
+            last good checkpoint (``diffmm fit`` exits with status 3 and writes no further checkpoint).
+            ``skip``: drop the update (gradients are cleared before the optimizer step; the step counter
+            and the lr schedule still advance), log ``train/skipped_steps`` and a warning, and stop as
+            above once more than ``max_skips`` steps were skipped.
+        max_skips: most steps ``skip`` may drop in a run (counted across resumes: saved in checkpoints).
+    """
+
+    def __init__(self, action: Literal["stop", "skip"] = "stop", max_skips: int = 10) -> None:
+        if action not in ("stop", "skip"):
+            raise ValueError(f"nonfinite.action must be 'stop' or 'skip', got {action!r}")
+        if max_skips < 0:
+            raise ValueError(f"nonfinite.max_skips must be >= 0, got {max_skips}")
+        self.action, self.max_skips = action, int(max_skips)
+        self.skipped = 0
+        self._bad: Optional[torch.Tensor] = None   # any non-finite loss since the last optimizer step (on device)
+        self._loss: Optional[torch.Tensor] = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        bad = ~torch.isfinite(loss).all()
+        value = loss.float().reshape(-1)[0] if loss.numel() else torch.tensor(math.nan, device=loss.device)
+        if self._bad is None:
+            self._bad, self._loss = bad, value
+        else:  # gradient accumulation: remember the first non-finite value of the step
+            self._loss = torch.where(self._bad, self._loss, value)
+            self._bad = self._bad | bad
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._bad is None:
+            return
+        bad, self._bad = bool(self._bad), None
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)  # any rank
+        if not bad:
+            return
+        value = self._loss.item() if self._loss is not None else math.nan
+        value = value if not math.isfinite(value) else "on another rank"  # this rank's loss was fine
+        step = trainer.global_step
+        if self.action == "skip" and self.skipped < self.max_skips:
+            self.skipped += 1
+            optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without gradients untouched
+            if trainer.is_global_zero:
+                log.warning("step %d: non-finite loss (%s); update skipped (%d of at most %d, nonfinite.max_skips)",
+                            step, value, self.skipped, self.max_skips)
+            pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False,
+                          rank_zero_only=True)
+            return
+        path, saved_step = last_good_checkpoint(trainer)
+        good = (f"last good checkpoint: {path}" + (f" (step {saved_step})" if saved_step is not None else "")
+                if path else f"no checkpoint was written before step {step}")
+        what = (f"non-finite loss ({value}) at step {step}, after {self.skipped} skipped step(s) "
+                f"(nonfinite.max_skips={self.max_skips})" if self.action == "skip"
+                else f"non-finite loss ({value}) at step {step} (epoch {trainer.current_epoch})")
+        hint = ("Lower the lr, or raise --nonfinite.max_skips" if self.action == "skip"
+                else "Lower the lr, or skip such steps with --nonfinite.action skip")
+        raise TrainingDiverged(f"{what}: training stopped before the update; {good}. {hint}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped = int(state_dict.get("skipped", 0))
+
+
+def mark_epoch_unfinished(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Make a checkpoint saved after a run stopped mid-epoch (``max_steps``, early stopping) say so.
+
+    Lightning counts the epoch as finished when the run stops; the data position says how many
+    batches of it were consumed. Resuming such a checkpoint with a larger ``max_steps`` would start
+    the next epoch in the trainer while the data continues this one. Here the saved epoch progress
+    is set back to "this epoch started, not finished", so the resumed run continues the same epoch
+    at the next batch, exactly where an uninterrupted run would be.
+    """
+    loop = trainer.fit_loop
+    batches = trainer.num_training_batches
+    done = loop.epoch_loop.batch_progress.current.ready
+    ep = loop.epoch_progress.current
+    if not (ep.ready == ep.started == ep.processed and 0 < done and math.isfinite(batches) and done < batches
+            and not loop.epoch_loop.batch_progress.is_last_batch):
+        return
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not fit or "epoch_progress" not in fit:
+        return
+    for part in ("total", "current"):
+        p = fit["epoch_progress"][part]
+        p["processed"] = p["completed"] = p["started"] - 1
+    checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]
+
+
 class Checkpoint(ModelCheckpoint):
-    """ModelCheckpoint that also refreshes ``last.ckpt`` when training ends between two periodic saves."""
+    """ModelCheckpoint with diffmm's rules.
+
+    * ``last.ckpt`` is also refreshed when training ends between two periodic saves.
+    * No checkpoint (periodic, best or last) is written while the weights or the optimizer state hold
+      NaN or Inf: the previous files stay, and none of them is deleted to make room.
+    * A checkpoint saved after a run stopped mid-epoch records the epoch as unfinished, so extending the
+      run (a larger ``max_steps``) continues the same epoch and data position (:func:`mark_epoch_unfinished`).
+    * At the start of ``fit``, temporary files a killed save left in the folder are removed.
+    """
 
     _last_step_saved_as_last = -1
+    _finite_at: tuple[int, bool] = (-1, True)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and trainer.is_global_zero:
+            remove_stale_temporaries(str(self.dirpath) if self.dirpath else "")
+            if trainer.default_root_dir and os.path.abspath(trainer.default_root_dir) != os.path.abspath(
+                    str(self.dirpath or "")):
+                remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
+
+    def _state_is_finite(self, trainer: pl.Trainer) -> bool:
+        """Whether weights and optimizer state are finite at this step (cached per step; all ranks agree)."""
+        step, ok = self._finite_at
+        if step == trainer.global_step:
+            return ok
+        module = trainer.lightning_module
+        bad = non_finite_keys(module.named_parameters())
+        if not bad:
+            for i, opt in enumerate(trainer.optimizers):
+                bad = non_finite_keys((f"optimizer {i} {k}", v) for state in opt.state.values()
+                                      for k, v in state.items())
+                if bad:
+                    break
+        ok = trainer.strategy.reduce_boolean_decision(not bad, all=True)
+        if not ok and trainer.is_global_zero:
+            log.warning("step %d: not saving checkpoints, the %s non-finite (%s); the previous checkpoints are "
+                        "kept", trainer.global_step, "weights are" if bad and "optimizer" not in bad[0]
+                        else "training state is", ", ".join(bad) or "on another rank")
+        self._finite_at = (trainer.global_step, ok)
+        return ok
+
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
+        if self._state_is_finite(trainer):
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
+        if not self._state_is_finite(trainer):
+            return
         super()._save_last_checkpoint(trainer, monitor_candidates)
         if self.save_last:
             self._last_step_saved_as_last = trainer.global_step
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # (the finiteness check is collective: only reached when a save on exception is configured at all)
+        if (not isinstance(exception, TrainingDiverged) and self._should_save_on_exception(trainer)
+                and self._state_is_finite(trainer)):
+            super().on_exception(trainer, pl_module, exception)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        mark_epoch_unfinished(trainer, checkpoint)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_last and self._last_step_saved_as_last != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class _StepProgress:
+    """Progress-bar fixes for step-limited runs (mixed into Lightning's bars).
+
+    * The epoch bar's total is the batches this run will still take in the epoch, counted from where
+      the epoch (or a mid-epoch resume) started, so a resumed or extended run shows e.g. ``4/6``,
+      never ``6/3``.
+    * ``Epoch N`` without Lightning's ``/max_epochs-1`` when the run is step-limited (``max_epochs: -1``
+      showed ``Epoch 1/-2``), and the global ``step S/max_steps`` among the bar's metrics.
+    """
+
+    _offset, _step0 = 0, 0
+
+    def _steps_limited(self) -> bool:
+        t = self.trainer
+        return t.max_steps is not None and t.max_steps > 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a mid-epoch resume does not call on_train_epoch_start: start counting from the restored position
+        self._offset = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        self._step0 = trainer.global_step
+        super().on_train_start(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._offset, self._step0 = 0, trainer.global_step
+        super().on_train_epoch_start(trainer, pl_module)
+
+    @property
+    def total_train_batches(self):
+        t = self.trainer
+        n = t.num_training_batches
+        if not self._steps_limited():
+            return n
+        return min(n, self._offset + max(0, t.max_steps - self._step0) * t.accumulate_grad_batches)
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        t = self.trainer
+        desc = f"Epoch {current_epoch}"
+        if t.max_epochs is not None and t.max_epochs > 0 and not self._steps_limited():
+            desc += f"/{t.max_epochs - 1}"
+        return desc
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        if self._steps_limited():
+            items = {"step": f"{trainer.global_step}/{trainer.max_steps}", **items}
+        return items
+
+
+class RichStepProgressBar(_StepProgress, RichProgressBar):
+    """Lightning's rich progress bar with real step counts (see :class:`_StepProgress`)."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, description=self._get_train_description(
+                trainer.current_epoch))
+
+
+class TQDMStepProgressBar(_StepProgress, TQDMProgressBar):
+    """Lightning's tqdm progress bar with real step counts (see :class:`_StepProgress`)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.restarted_mid_epoch and self.train_progress_bar is not None:
+            bar = self.train_progress_bar
+            bar.reset(total=self.total_train_batches)
+            bar.initial = bar.n = self._offset
+            bar.set_description(self._get_train_description(trainer.current_epoch))
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self.train_progress_bar.set_description(self._get_train_description(trainer.current_epoch))
+
+
+def default_progress_bar() -> pl.Callback:
+    """The bar Lightning would pick (rich when installed, else tqdm), with :class:`_StepProgress`'s fixes."""
+    from pytorch_lightning.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    return RichStepProgressBar() if _RICH_AVAILABLE else TQDMStepProgressBar()

@@ -9,16 +9,18 @@ What it adds to a plain LightningCLI:
 
 * always-on callbacks, configurable under their own keys: ``checkpoint`` (ModelCheckpoint with
   ``save_last``; default folder ``<trainer.default_root_dir>/checkpoints``, so ``--ckpt_path last``
-  finds it), ``lr_monitor``, ``data_stats`` (data counters per epoch), ``prediction_writer``;
+  finds it; never writes NaN weights), ``nonfinite`` (stop, or skip steps, on a NaN/Inf loss; exit
+  status 3), ``lr_monitor`` (skipped with ``trainer.logger: false``), ``data_stats`` (data counters per
+  epoch), ``prediction_writer``, and a progress bar with real step counts;
 * TensorBoard and CSV loggers under ``<trainer.default_root_dir>/{tensorboard,csv}`` unless
   ``trainer.logger`` is given;
-* atomic checkpoint writes (:class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`);
+* atomic checkpoint writes (:class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`); ``--ckpt_path last``
+  resumes from the newest *intact* checkpoint (a damaged ``last.ckpt`` falls back with a warning);
 * links from the model to the data: ``context_length``, ``image_size``, ``tokenizer``;
 * bad configs end with one ``error:`` line (set ``DIFFMM_TRACEBACK=1`` for the traceback).
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import sys
@@ -28,29 +30,39 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 from jsonargparse import ArgumentError
 from pytorch_lightning import LightningDataModule, LightningModule
-from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.callbacks import DeviceStatsMonitor, LearningRateMonitor, ModelCheckpoint, ProgressBar
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
-from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, PredictionWriter
-from diffmm.train.checkpoint_io import AtomicCheckpointIO
+from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, default_progress_bar
+from diffmm.train.checkpoint_io import (AtomicCheckpointIO, check_resume_file, is_global_zero_env, newest_last,
+                                        resume_checkpoint)
 from diffmm.train.datamodules import check_shard_spec
-from diffmm.train.errors import ConfigError
+from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
+
+log = logging.getLogger("diffmm.train")
+
+#: callbacks that raise without a logger; skipped (one info line) when ``trainer.logger`` is false
+NEEDS_LOGGER = (LearningRateMonitor, DeviceStatsMonitor)
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _checkpoint_dirs(config: Any) -> tuple[str, str]:
+    root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
+    ckpt_dir = config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints")
+    return os.fspath(ckpt_dir), os.fspath(root)
 
 
 def newest_checkpoint(config: Any) -> Optional[str]:
     """The newest of ``<checkpoint dir>/last*.ckpt`` and SLURM's ``<default_root_dir>/hpc_ckpt_*.ckpt`` (or None).
 
-    ``--ckpt_path last`` resolves to this, so a job requeued after SLURM's pre-emption signal (which
-    writes an ``hpc_ckpt``) and a job restarted after a crash resume from whichever is more recent.
+    A job requeued after SLURM's pre-emption signal (which writes an ``hpc_ckpt``) and a job restarted
+    after a crash resume from whichever is more recent. ``--ckpt_path last`` resolves to this file when
+    it is intact, else to the newest intact checkpoint (:func:`~diffmm.train.checkpoint_io.resume_checkpoint`).
     """
-    root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
-    ckpt_dir = config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints")
-    found = glob.glob(os.path.join(ckpt_dir, "last*.ckpt")) + glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt"))
-    return max(found, key=os.path.getmtime) if found else None
+    return newest_last(*_checkpoint_dirs(config))
 
 
 class DiffmmCLI(LightningCLI):
@@ -59,6 +71,7 @@ class DiffmmCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1})
+        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_lightning_class_args(DataStatsMonitor, "data_stats")
@@ -77,9 +90,19 @@ class DiffmmCLI(LightningCLI):
             if spec:
                 check_shard_spec(spec, f"data.{key}")
         if config.get("ckpt_path") == "last":
-            newest = newest_checkpoint(config)
+            # the newest intact checkpoint: falls back past a damaged last.ckpt (rank 0 moves it aside)
+            newest = resume_checkpoint(*_checkpoint_dirs(config), move_damaged=is_global_zero_env())
             if newest is not None:
                 config["ckpt_path"] = newest
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads a named checkpoint's hyperparameters right after parsing: check the file first,
+        # so a damaged one the user named is one line naming it (no fallback: it is what the user asked for)
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if path and path != "last":
+            check_resume_file(os.fspath(path))
+        super()._parse_ckpt_path()
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> pl.Trainer:
         root = config.get("default_root_dir") or os.getcwd()
@@ -88,6 +111,17 @@ class DiffmmCLI(LightningCLI):
                 cb.dirpath = os.path.realpath(os.path.join(os.fspath(root), "checkpoints"))
         if config.get("logger") in (None, True):
             config["logger"] = [TensorBoardLogger(root, name="tensorboard"), CSVLogger(root, name="csv")]
+        user = config.get("callbacks") or []
+        user = config["callbacks"] = user if isinstance(user, list) else [user]
+        if not config.get("logger"):  # false / []: no logger, so drop the monitors that need one
+            dropped = sorted({type(cb).__name__ for cb in (*callbacks, *user) if isinstance(cb, NEEDS_LOGGER)})
+            callbacks[:] = [cb for cb in callbacks if not isinstance(cb, NEEDS_LOGGER)]
+            user[:] = [cb for cb in user if not isinstance(cb, NEEDS_LOGGER)]
+            if dropped:
+                log.info("trainer.logger is false: skipping %s (needs a logger)", ", ".join(dropped))
+        if config.get("enable_progress_bar", True) is not False and not any(
+                isinstance(cb, ProgressBar) for cb in (*callbacks, *user)):
+            callbacks.append(default_progress_bar())  # real step counts on resumed / extended runs
         if not config.get("plugins"):
             config["plugins"] = [AtomicCheckpointIO()]
         return super()._instantiate_trainer(config, callbacks)
@@ -114,7 +148,10 @@ def condense(e: BaseException) -> str:
     """The exception message on one line, without jsonargparse's echo of the given values."""
     text = str(e).strip() or type(e).__name__
     lines = [ln.strip().lstrip("- ").strip() for ln in text.splitlines()]
-    return " ".join(ln for ln in lines if ln and not ln.startswith(_NOISE))
+    text = " ".join(ln for ln in lines if ln and not ln.startswith(_NOISE))
+    if len(text) > 1 and text[0] == text[-1] == "'":  # a KeyError's repr-quoted message
+        text = text[1:-1]
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     try:
         run_cli(argv)
+    except TrainingDiverged as e:  # the non-finite-loss guard: one line naming the step and the last good checkpoint
+        if os.environ.get("DIFFMM_TRACEBACK"):
+            raise
+        print(f"diffmm {cmd}: error: {condense(e)}", file=sys.stderr)
+        return DIVERGED_EXIT_CODE
     except SystemExit as e:  # --help, --print_config and jsonargparse's own error messages
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     except (ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException, ValueError) as e:

@@ -85,13 +85,71 @@ class WarmupCosine:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        if step >= self.total_steps:
+            return self.min_ratio
+        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def settings(self) -> dict:
+        return {"warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "min_ratio": self.min_ratio}
+
+
+class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` with :class:`WarmupCosine` for every group (stepped once per optimizer step) that follows
+    the *current* settings after a restore.
+
+    ``load_state_dict`` restores the step count only: the schedule (peak lr, warmup, total, floor) is the one
+    this scheduler was built with, i.e. the resumed run's config, and the groups' lr is re-derived at the
+    restored step. With unchanged settings this is exactly the saved lr; extending a run (a larger
+    ``max_steps``, hence ``total_steps``) continues on the cosine over the new total instead of the
+    old one's floor. :attr:`restore_changes` says what differed (empty when nothing did).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, lr: float,
+                 min_lr: float = 0.0) -> None:
+        self.restore_changes: dict[str, tuple] = {}
+        super().__init__(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr / lr if lr > 0 else 0.0))
+
+    @property
+    def schedule(self) -> WarmupCosine:
+        return self.lr_lambdas[0]
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("restore_changes", None)  # not part of the schedule's state
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        settings, base_lrs = self.schedule.settings(), list(self.base_lrs)
+        super().load_state_dict(state_dict)  # step count, and the saved settings (overridden below)
+        saved = self.schedule.settings()
+        self.restore_changes = {k: (saved[k], v) for k, v in settings.items() if saved[k] != v}
+        if [float(b) for b in self.base_lrs] != [float(b) for b in base_lrs]:
+            self.restore_changes["lr"] = (self.base_lrs[0], base_lrs[0])
+        for fn in self.lr_lambdas:
+            fn.__dict__.update(settings)
+        self.base_lrs = base_lrs
+        before = [g["lr"] for g in self.optimizer.param_groups]
+        for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * fn(self.last_epoch)
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if self.restore_changes:
+            self.restore_changes["lr_at_step"] = (before[0], self._last_lr[0], self.last_epoch)
+
+    def describe_restore(self) -> str:
+        """One line on how the restored schedule differs from the saved one ('' when it does not)."""
+        if not self.restore_changes:
+            return ""
+        c = self.restore_changes
+        names = {"total_steps": "total_steps", "warmup_steps": "warmup_steps", "min_ratio": "min_lr/lr", "lr": "lr"}
+        diffs = ", ".join(f"{names[k]} {v[0]:g} -> {v[1]:g}" for k, v in c.items() if k in names)
+        a, b, step = c["lr_at_step"]
+        return (f"resume: lr schedule recomputed from the current settings ({diffs}; warmup {self.schedule.warmup_steps} "
+                f"steps); lr at step {step} re-derived: {a:.3g} -> {b:.3g}")
 
 
 def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                            lr: float, min_lr: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
-    """``LambdaLR`` with :class:`WarmupCosine` for every group (stepped once per optimizer step)."""
-    fn = WarmupCosine(warmup_steps, total_steps, min_lr / lr if lr > 0 else 0.0)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+                            lr: float, min_lr: float = 0.0) -> WarmupCosineLR:
+    """:class:`WarmupCosineLR` for every group of ``optimizer``."""
+    return WarmupCosineLR(optimizer, warmup_steps, total_steps, lr, min_lr)

@@ -68,3 +68,27 @@ def test_print_config_resolves_defaults(tmp_path, capsys, base_cfg):
     assert rc == 0
     for key in ("checkpoint:", "save_last: true", "lr_monitor:", "betas:", "weight_decay: 0.05", "warmup_steps: 3"):
         assert key in out, key
+
+
+@pytest.mark.parametrize("bad", ["int64", "truncated"])
+def test_bad_pretrained_weights_are_one_line(tmp_path, capsys, image_text_data, bad):
+    """``model.init_args.pretrained`` with integer weights or a truncated file: one line naming the key / the file."""
+    import torch
+    from safetensors.torch import save_file
+
+    import diffmm
+    from train_configs import SHRINK, clip_config
+
+    sd = {k: v.clone() for k, v in diffmm.create_model("DiffCLIP-Tiny", **SHRINK).state_dict().items()}
+    path = tmp_path / "w.safetensors"
+    if bad == "int64":
+        sd["text_projection"] = (sd["text_projection"] * 100).long()
+        save_file(sd, str(path))
+    else:
+        save_file(sd, str(path))
+        path.write_bytes(path.read_bytes()[:5000])
+    cfg = clip_config(str(tmp_path / "run"), image_text_data, max_steps=1)
+    rc, err = _run(tmp_path, capsys, cfg, "--model.init_args.pretrained", str(path))
+    lines = _short(err)
+    assert rc == 2 and len(lines) == 1 and str(path) in lines[0], err
+    assert ("wrong dtype: text_projection is int64" if bad == "int64" else "not a readable safetensors file") in lines[0]

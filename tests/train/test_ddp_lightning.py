@@ -34,3 +34,21 @@ def test_two_process_ddp_fit(tmp_path, image_text_data):
     # global throughput = 2 x per-device throughput
     for s, v in series(rows, "train/samples_per_s").items():
         assert v == pytest.approx(2 * series(rows, "train/samples_per_s_per_device")[s])
+
+
+@pytest.mark.slow
+def test_ddp_nan_loss_on_one_rank_stops_every_rank(tmp_path, image_text_data):
+    """A NaN loss on rank 1 only: both ranks agree (one all-reduce), stop before the update and exit 3; no hang."""
+    root = str(tmp_path / "run")
+    cfg = clip_config(root, image_text_data, max_steps=6, model_name=None, limit_val_batches=0, devices=2,
+                      strategy="ddp")
+    cfg["checkpoint"] = {"every_n_train_steps": 1}
+    cfg["trainer"]["callbacks"] = [{"class_path": "train_helpers.NaNLossAt", "init_args": {"steps": [3], "rank": 1}}]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "diffmm.cli", "fit", "--config", write_yaml(tmp_path / "nan.yaml", cfg)],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 3, out.stderr[-4000:]
+    assert "diffmm fit: error: non-finite loss (nan) at step 3" in out.stderr
+    state = torch.load(os.path.join(root, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=True)
+    assert state["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())

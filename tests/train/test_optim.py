@@ -72,10 +72,46 @@ def test_scheduler_reaches_min_lr_and_restores():
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
     state = sched.state_dict()
     assert state["lr_lambdas"][0] == {"warmup_steps": 3, "total_steps": 20, "min_ratio": pytest.approx(0.02)}
+    assert "restore_changes" not in state and "schedule" not in state  # plain values only (weights_only loads)
+    # restoring with the same settings: the same step and exactly the saved lr, and no note
     opt2 = torch.optim.AdamW([p], lr=5e-4)
-    sched2 = warmup_cosine_scheduler(opt2, 0, 1, lr=5e-4)  # settings come back from the state dict
+    sched2 = warmup_cosine_scheduler(opt2, 3, 20, lr=5e-4, min_lr=1e-5)
+    opt2.load_state_dict(opt.state_dict())
     sched2.load_state_dict(state)
-    assert sched2.lr_lambdas[0].total_steps == 20 and sched2.last_epoch == 20
+    assert sched2.last_epoch == 20 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert sched2.describe_restore() == ""
+
+
+def test_restored_schedule_follows_the_new_total():
+    """Extending a finished run: the cosine continues over the new total from the restored step, warmup unchanged."""
+    p = nn.Parameter(torch.zeros(2, 2))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    sched = warmup_cosine_scheduler(opt, 2, 10, lr=1e-3, min_lr=1e-5)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)  # the first run ended on the floor
+    opt2 = torch.optim.AdamW([p], lr=1e-3)
+    sched2 = warmup_cosine_scheduler(opt2, 2, 20, lr=1e-3, min_lr=1e-5)  # Lightning's order: build, then restore
+    opt2.load_state_dict(opt.state_dict())  # the optimizer state brings the old lr back ...
+    sched2.load_state_dict(sched.state_dict())  # ... the schedule re-derives it for the new total
+    fresh = WarmupCosine(2, 20, 1e-5 / 1e-3)
+    lrs = []
+    for step in range(10, 20):
+        lrs.append(opt2.param_groups[0]["lr"])
+        assert lrs[-1] == pytest.approx(1e-3 * fresh(step)), step
+        opt2.step()
+        sched2.step()
+    assert lrs[0] == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + math.cos(math.pi * 8 / 18)))  # ~0.59e-3
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-5)
+    assert sched2.lr_lambdas[0].total_steps == 20 and sched2.state_dict()["lr_lambdas"][0]["total_steps"] == 20
+    note = sched2.describe_restore()
+    assert "total_steps 10 -> 20" in note and "warmup 2 steps" in note and "lr at step 10 re-derived: 1e-05 -> " in note
+
+
+def test_schedule_floor_when_warmup_fills_the_run():
+    f = WarmupCosine(warmup_steps=3, total_steps=3, min_ratio=0.02)
+    assert [f(s) for s in range(5)] == [pytest.approx(1 / 3), pytest.approx(2 / 3), 1.0, 0.02, 0.02]
 
 
 def test_bad_schedule_is_refused():

@@ -162,3 +162,43 @@ class SleepEachStep(pl.Callback):
         import time
 
         time.sleep(self.seconds)
+
+
+class NaNLossAt(pl.Callback):
+    """Test-only: the training loss is NaN (and so are its gradients) at the optimizer steps in ``steps``
+    (on every rank, or only on ``rank``)."""
+
+    def __init__(self, steps: list[int], rank: int | None = None) -> None:
+        self.steps, self.rank = set(steps), rank
+
+    def setup(self, trainer, pl_module, stage):
+        orig = pl_module.training_step
+
+        def training_step(batch, batch_idx):
+            loss = orig(batch, batch_idx)
+            here = self.rank is None or trainer.global_rank == self.rank
+            return loss * float("nan") if here and trainer.global_step in self.steps else loss
+
+        pl_module.training_step = training_step
+
+
+class NaNWeightsAt(pl.Callback):
+    """Test-only: after optimizer step ``step`` one weight becomes NaN (a divergence the loss has not shown yet)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
+
+
+class ParamTrace(pl.Callback):
+    """Test-only: global step -> a copy of every parameter after that step's update."""
+
+    def __init__(self) -> None:
+        self.after: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
