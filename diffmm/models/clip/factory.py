@@ -228,10 +228,12 @@ def get_tokenizer(model_name: Union[str, torch.nn.Module, None] = None, context_
             context_length, truncate = context_length or text.context_length, text.truncate
         elif kind == "saved":
             context_length = context_length or _saved_context_length(model_name)
-        else:  # open_clip:NAME or a checkpoint: the model knows
-            with torch.device("meta") if kind == "open_clip" else _nullcontext():
-                model = create_model(model_name)
-            return tokenizer_for(model, context_length)
+        elif kind == "open_clip":
+            from diffmm.models.clip.open_clip_models import open_clip_tokenizer
+
+            return open_clip_tokenizer(model_name, context_length)
+        else:  # a checkpoint: the model it holds knows
+            return tokenizer_for(create_model(model_name), context_length)
     return CLIPTokenizer(context_length=context_length or 77, truncate=truncate)
 
 
@@ -249,12 +251,6 @@ def tokenizer_for(model: torch.nn.Module, context_length: Optional[int] = None):
         return CLIPTokenizer(context_length or cfg.text_cfg.context_length, cfg.text_cfg.truncate)
     ctx = getattr(model, "context_length", None) or getattr(getattr(model, "text", None), "context_length", None)
     return CLIPTokenizer(context_length or ctx or 77)
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _saved_context_length(name: str) -> int:

@@ -93,3 +93,22 @@ def _native(name: str, path: Optional[str], *, trust_pickle: bool, overrides: Op
         model.load_state_dict(sd, strict=True)
     model.diffmm_open_clip_name = name
     return model
+
+
+def open_clip_tokenizer(model_name: str, context_length: Optional[int] = None):
+    """The tokenizer of ``open_clip:NAME`` without building the model (diffmm's CLIP BPE for the architectures diffmm
+    builds, open_clip's own for the others)."""
+    import open_clip
+
+    from diffmm.models.clip.config import from_open_clip_config
+    from diffmm.models.clip.tokenizer import CLIPTokenizer
+
+    name = model_name[len(OPEN_CLIP_PREFIX):] if model_name.startswith(OPEN_CLIP_PREFIX) else model_name
+    oc_cfg = open_clip.get_model_config(name)
+    if oc_cfg is None:
+        raise UnknownModelError(f"open_clip:{name}: open_clip has no such architecture (see open_clip.list_models())")
+    try:
+        cfg = from_open_clip_config(oc_cfg, source=f"open_clip:{name}")
+    except ValueError:
+        return open_clip.get_tokenizer(name, context_length=context_length)
+    return CLIPTokenizer(context_length or cfg.text_cfg.context_length, cfg.text_cfg.truncate)
