@@ -49,6 +49,8 @@ class CLIPModule(TrainModule):
             ``lambda_init``, ``seed``). ``{init: upcycle}`` fine-tunes a pretrained CLIP as a DiffCLIP whose first
             outputs (and loss) are the pretrained model's. Checkpoints hold the swapped model and its config, so they
             resume and load (``diffmm eval --model last.ckpt``) without the pretrained file.
+        trust_pickle: allow a ``pretrained`` file that needs full unpickling (the official DiffCLIP
+            ``checkpoint_best.pt``); only for files you trust.
         model: an already built model (Python use; overrides ``model_name``; ``swap`` still applies).
         local_loss: compute only this rank's rows of the logit matrix (open_clip ``--local-loss``).
         gather_with_grad: gather features across ranks with gradients (exact combined-batch gradients).
@@ -63,7 +65,7 @@ class CLIPModule(TrainModule):
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
                  pretrained: Optional[str] = None, model: Optional[nn.Module] = None, *,
-                 swap: Optional[dict] = None,
+                 swap: Optional[dict] = None, trust_pickle: bool = False,
                  local_loss: bool = False, gather_with_grad: bool = True,
                  lr: float = 5e-4, min_lr: float = 1e-5, weight_decay: float = 0.5,
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
@@ -77,7 +79,8 @@ class CLIPModule(TrainModule):
         if model is None:
             import diffmm
 
-            model = diffmm.create_model(model_name, pretrained or None, swap=swap, **dict(model_kwargs or {}))
+            model = diffmm.create_model(model_name, pretrained or None, swap=swap, trust_pickle=trust_pickle,
+                                        **dict(model_kwargs or {}))
         elif swap:
             from diffmm.models.clip.factory import apply_swap
 
