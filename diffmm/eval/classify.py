@@ -176,14 +176,15 @@ def _run(a) -> int:
     preds = classify_images(model, tokenizer, preprocess, files, classnames, templates, top_k=a.top_k,
                             batch_size=a.batch_size, num_workers=a.workers, precision=a.precision,
                             show_progress=not a.no_progress, max_batches=a.max_batches)
-    print(preds.to_markdown())
     n_skipped = sum(preds.skipped.values())
     if n_skipped:
         reasons = ", ".join(f"{v} {k}" for k, v in preds.skipped.items())
         log.warning(f"skipped {n_skipped} of {len(files)} images ({reasons})")
-    if a.out:
+    if a.out:  # before printing: a closed stdout (`| head`) must not lose the rows
         preds.write(a.out, {"task": "classify", "model": a.model, "pretrained": a.pretrained,
                             "templates": [t if isinstance(t, str) else t("{}") for t in templates]})
+    print(preds.to_markdown())
+    if a.out:
         print(f"wrote {a.out} ({len(preds.files)} rows)", file=sys.stderr)
     if not preds.files:
         raise EvalError(f"none of the {len(files)} images could be read")

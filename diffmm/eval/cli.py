@@ -82,13 +82,14 @@ def _load_lm(a):
 
 
 def _finish(a, result: dict, markdown: str) -> int:
-    print(markdown)
+    written = []  # files first: a closed stdout (`| head`) must not lose the results
     if a.out:
-        write_json(a.out, result)
-        print(f"wrote {a.out}", file=sys.stderr)
+        written.append(write_json(a.out, result))
     if a.md:
-        write_text(a.md, markdown)
-        print(f"wrote {a.md}", file=sys.stderr)
+        written.append(write_text(a.md, markdown))
+    print(markdown)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

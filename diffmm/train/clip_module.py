@@ -35,6 +35,25 @@ def _context_length(model: nn.Module) -> Optional[int]:
     return int(n) if n is not None else None
 
 
+def _typed(options: Optional[dict]) -> Optional[dict]:
+    """Values of a dict option given on the command line arrive as strings (``--model.init_args.swap.seed 3``):
+    read each string as a YAML scalar, as the same value written in the config file would be."""
+    if not options:
+        return options
+    import yaml
+
+    out = {}
+    for key, value in dict(options).items():
+        if isinstance(value, str):
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = value
+            value = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
+        out[key] = value
+    return out
+
+
 class CLIPModule(TrainModule):
     """Trains a CLIP-style model (``encode_image``, ``encode_text``, ``logit_scale``) on (images, tokens) batches.
 
@@ -72,6 +91,7 @@ class CLIPModule(TrainModule):
                  warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
                  no_decay: Optional[list[str]] = None, zeroshot: Optional[dict] = None) -> None:
+        swap, zeroshot = _typed(swap), _typed(zeroshot)  # before save_hyperparameters: checkpoints keep typed values
         super().__init__(lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps,
                          warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
                          grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)

@@ -98,3 +98,13 @@ def test_shipped_upcycle_configs():
 def test_upcycle_configs_parse(name, capsys):
     assert fit_main(["fit", "--config", os.path.join(ROOT, "configs", name), "--print_config"]) == 0
     assert "init: upcycle" in capsys.readouterr().out
+
+
+def test_command_line_values_of_dict_options_are_typed():
+    """`--model.init_args.swap.seed 3` / `--model.init_args.zeroshot.max_batches 2` arrive as strings."""
+    from diffmm.train.clip_module import CLIPModule
+
+    m = CLIPModule("CLIP-Tiny", model_kwargs=SHRINK, swap={"init": "upcycle", "seed": "3", "lambda_init": "0.5"},
+                   zeroshot={"dataset": "x.tar", "classnames": ["a"], "max_batches": "2", "templates": ["a {}"]})
+    assert m.hparams["swap"] == {"init": "upcycle", "seed": 3, "lambda_init": 0.5}
+    assert m.model.config.vision_cfg.lambda_init == 0.5 and m.zeroshot.max_batches == 2
