@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shards": ("diffmm.data.shards_cli", "write webdataset shards and build the demo datasets"),
     "eval": ("diffmm.eval.cli", "zero-shot, retrieval, linear probe and language evaluations"),
     "classify": ("diffmm.eval.classify", "zero-shot labels for your own images (one row per image: CSV/JSON)"),
-    "export": ("diffmm.hub.export_cli", "write a diffmm export folder from a training checkpoint"),
+    "export": ("diffmm.hub.export_cli", "write a diffmm export folder from a checkpoint (Lightning .ckpt, any format)"),
     "demo": ("diffmm.demo.cli", "the main job: demo data, tiny CLIP vs DiffCLIP, report"),
 }
 

@@ -46,7 +46,8 @@ class Predictions:
 
     def rows(self) -> list[list]:
         """``[path, label_1, prob_1, ..., label_k, prob_k]`` per image."""
-        return [[f, *[x for pair in zip(lab, pr) for x in pair]] for f, lab, pr in zip(self.files, self.labels, self.probs)]
+        return [[f, *[x for pair in zip(lab, pr) for x in pair]]
+                for f, lab, pr in zip(self.files, self.labels, self.probs)]
 
     def header(self) -> list[str]:
         return ["path", *[x for i in range(1, self.top_k + 1) for x in (f"label_{i}", f"prob_{i}")]]

@@ -2,9 +2,10 @@
 
 Built in: ``imagenet`` class names and the ``openai`` (80) / ``simple`` (2) ImageNet templates,
 taken from ``open_clip.zero_shot_metadata``; ``fashion-mnist`` class names; the ``plain`` template
-``"{}"``. Templates may be written inline (``"a photo of a {}."``). Custom lists come from a file: ``.txt`` (one entry a line; blank lines and ``#`` comments
-skipped) or ``.json`` (a list, an ``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored
-under ``KEY``, e.g. ``data/emoji/classes.json:groups``).
+``"{}"``. Templates may be written inline (``"a photo of a {}."``). Custom lists come from a file:
+``.txt`` (one entry a line; blank lines and ``#`` comments skipped) or ``.json`` (a list, an
+``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored under ``KEY``, e.g.
+``data/emoji/classes.json:groups``).
 """
 from __future__ import annotations
 

@@ -85,7 +85,8 @@ def _build_lm(path: str, ckpt: dict, hp: dict, sd: dict, model_name: Optional[st
         return DiffLM(LMConfig.from_dict(json.loads(Path(model_config).read_text()), source=model_config))
     name = model_name or hp.get("model_name")
     if not name:
-        raise ValueError(f"{path}: the checkpoint saves no model_name; export: pass --model NAME or --model-config FILE")
+        raise ValueError(f"{path}: the checkpoint saves no model_name; export: pass --model NAME or "
+                         f"--model-config FILE")
     overrides = dict(hp.get("model_kwargs") or {})
     if "wte.weight" in sd:  # the training module pads the tokenizer's vocabulary
         overrides.setdefault("vocab_size", sd["wte.weight"].shape[0])

@@ -17,7 +17,8 @@ from diffmm.models.clip import create_model
 from diffmm.models.clip.naming import UnknownModelError, has_weights, model_kind
 
 # a tiny open_clip architecture registered under a test name (open_clip's registry is global: a unique name)
-OC_TINY = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 2, "head_width": 16},
+OC_TINY = {"embed_dim": 32,
+           "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 2, "head_width": 16},
            "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 4, "layers": 2}}
 OC_TIMM = {"embed_dim": 32, "vision_cfg": {"timm_model_name": "test_vit", "timm_model_pretrained": False,
                                            "timm_pool": "token", "timm_proj": "linear", "image_size": 160},
@@ -85,7 +86,8 @@ def test_open_clip_name_builds_diffclip_with_open_clips_weights(tmp_path, oc_nam
     # an open_clip hub tag: open_clip downloads it (here: a stand-in that returns the local file), its mean/std recorded
     pcfg = {"url": "x", "mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25)}
     orig = open_clip.get_pretrained_cfg
-    monkeypatch.setattr(open_clip, "get_pretrained_cfg", lambda name, tag: pcfg if tag == "test-tag" else orig(name, tag))
+    monkeypatch.setattr(open_clip, "get_pretrained_cfg",
+                        lambda name, tag: pcfg if tag == "test-tag" else orig(name, tag))
     monkeypatch.setattr(open_clip, "download_pretrained", lambda cfg, **kw: str(tmp_path / "oc.safetensors"))
     tagged = create_model(f"open_clip:{oc_names[0]}", pretrained="test-tag")
     assert tagged.config.vision_cfg.mean == (0.5, 0.5, 0.5)

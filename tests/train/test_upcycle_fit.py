@@ -57,7 +57,8 @@ def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywh
     os.remove(pre)
     (tmp_path / "colours.txt").write_text("red\ngreen\nblue\n")
     rc = diffmm_main(["eval", "zeroshot", "--model", ckpt, "--data", image_text_data[1], "--label-field",
-                      "json:label", "--classnames", str(tmp_path / "colours.txt"), "--templates", "a silhouette of a {}",
+                      "json:label", "--classnames", str(tmp_path / "colours.txt"),
+                      "--templates", "a silhouette of a {}",
                       "--workers", "0", "--no-progress", "--out", str(tmp_path / "zs.json")])
     assert rc == 0
     res = json.loads((tmp_path / "zs.json").read_text())

@@ -87,8 +87,8 @@ def random_weights_message(name: str) -> str:
 # --------------------------------------------------------------------------------------- list_pretrained
 #: tag -> what files of that tag are and how to load them (no hub downloads exist for these: local files only)
 PRETRAINED_TAGS = {
-    "official": "the official DiffCLIP checkpoint (checkpoint_best.pt, SLIP format; trust_pickle=True / --trust-pickle) "
-                "or its state dict as .safetensors; loads into DiffCLIP-* configs with ImageNet mean/std and the "
+    "official": "the official DiffCLIP checkpoint (checkpoint_best.pt, SLIP format; trust_pickle=True / "
+                "--trust-pickle) or its state dict as .safetensors; loads into DiffCLIP-* configs with ImageNet mean/std and the "
                 "official tokenizer truncation",
     "open_clip": "an open_clip ViT CLIP checkpoint (open_clip_model.safetensors / open_clip_pytorch_model.bin, a "
                  "torch.save(model.state_dict()) file, or a folder with open_clip_config.json); loads exactly into "
