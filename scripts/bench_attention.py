@@ -22,7 +22,7 @@ Two modes, one script (run from the repo root with ``PYTHONPATH=.``):
 Examples::
 
     PYTHONPATH=. python scripts/bench_attention.py --device cpu --quick
-    PYTHONPATH=. python scripts/bench_attention.py --device cuda --json /tmp/bench.json
+    PYTHONPATH=. python scripts/bench_attention.py --device cuda --json bench_cuda.json
 """
 from __future__ import annotations
 
@@ -270,17 +270,17 @@ def cuda_correctness(dtype) -> list[dict]:
     return rows
 
 
-def _cuda_case(impl, B, N, h, d, causal, dtype):
-    """Inputs and a forward closure for one path."""
+def _cuda_case(impl, B, N, h, d, causal, dtype, device="cuda"):
+    """Inputs and a forward closure for one path (``device``: also used by scripts/gpu_check.py --dry-run)."""
     from diffmm.ops import diff_attention
     from diffmm.ops.sdpa import attention_sdpa, diff_attention_sdpa
-    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dtype).requires_grad_()  # noqa: E731
+    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype).requires_grad_()  # noqa: E731
     if impl == "standard-sdpa":
         q, k, v = mk(B, N, 2 * h, d), mk(B, N, 2 * h, d), mk(B, N, 2 * h, d)
         return [q, k, v], lambda: attention_sdpa(q, k, v, causal=causal)
     q, k, v = mk(B, N, 2 * h, d), mk(B, N, 2 * h, d), mk(B, N, h, 2 * d)
-    lam = torch.tensor(0.3, device="cuda", requires_grad=True)
-    w = torch.ones(2 * d, device="cuda", requires_grad=True)
+    lam = torch.tensor(0.3, device=device, requires_grad=True)
+    w = torch.ones(2 * d, device=device, requires_grad=True)
     leaves = [q, k, v, lam, w]
     kw = dict(causal=causal, norm_weight=w, lambda_init=0.2)
     if impl == "fused-triton":

@@ -38,6 +38,7 @@ from diffmm.models.lm import DiffLM, LMConfig
 
 VARIANTS = ("standard", "diff", "diff_v2")
 PYDOC_SOURCES = "/usr/share/doc/python3.11/html/_sources"
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "diffmm", "compare_lm")
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -52,10 +53,11 @@ def _is_val(rel_path: str) -> bool:
 def load_corpus(source: str, cache: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int, str]:
     """Train and val token streams (int32), vocab size and tokenizer description; cached in ``cache``."""
     os.makedirs(cache, exist_ok=True)
-    tag = os.path.join(cache, f"pydocs-bpe{vocab_size}")
+    name = f"pydocs-bpe{vocab_size}"
+    tag = os.path.join(cache, name)
     if os.path.exists(tag + ".pt"):
         d = torch.load(tag + ".pt", weights_only=True)
-        return d["train"], d["val"], int(d["vocab_size"]), f"byte-level BPE {vocab_size} (cached {tag}.pt)"
+        return d["train"], d["val"], int(d["vocab_size"]), f"byte-level BPE {vocab_size} (cached <cache>/{name}.pt)"
     files = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
     if not files:
         raise SystemExit(f"{source}: no .txt reST sources found; install Debian python3.11-doc "
@@ -77,7 +79,7 @@ def load_corpus(source: str, cache: str, vocab_size: int) -> tuple[torch.Tensor,
     torch.save({"train": streams["train"], "val": streams["val"], "vocab_size": tok.vocab_size}, tag + ".pt")
     print(f"# corpus: {len(docs['train'])} train / {len(docs['val'])} val pages, "
           f"{len(streams['train']):,} / {len(streams['val']):,} tokens", flush=True)
-    return streams["train"], streams["val"], tok.vocab_size, f"byte-level BPE {vocab_size} ({tag}.tokenizer.json)"
+    return streams["train"], streams["val"], tok.vocab_size, f"byte-level BPE {vocab_size} (<cache>/{name}.tokenizer.json)"
 
 
 def windows(stream: torch.Tensor, starts: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +215,8 @@ def _lambda_init(s: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", default=PYDOC_SOURCES)
-    p.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "diffmm_compare_lm"))
+    p.add_argument("--cache", default=DEFAULT_CACHE,
+                   help="where the trained tokenizer and token streams are kept (recorded as <cache> in the JSON)")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -261,7 +264,8 @@ def main(argv=None) -> int:
     print("\n" + summarize(results))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": results}, f, indent=1)
+            json.dump({"args": {**vars(a), "cache": "<cache>"}, "results": results,
+                       "corpus": {"tokenizer": tok_desc, "train_tokens": len(train), "val_tokens": len(val)}}, f, indent=1)
     return 0
 
 

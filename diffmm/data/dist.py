@@ -7,22 +7,33 @@ Handles the webdataset 1.0.2 traps under Lightning:
   every rank would read the same shards. We ask ``torch.distributed`` first, then ``RANK``, then
   ``NODE_RANK``/``LOCAL_RANK``, and refuse to guess (error) when ``WORLD_SIZE > 1`` and none is set.
   Datasets snapshot the answer when they are pickled for spawned workers.
-* fewer shards than workers: workers share a shard and split its samples by index, still disjoint.
 * uneven batch counts hang gloo/NCCL: every rank gets the same batch quota (:func:`batch_quota`).
+
+When the sample count of every shard is known (``sizes.json``, img2dataset stats, or counted, see
+:mod:`diffmm.data.sizes`), :func:`plan_ranges` cuts the epoch's shard sequence into one contiguous
+sample range per rank x worker, sized by its batch quota: every sample is read at most once per
+epoch and fewer than one global batch is left out. Without counts (``pipe:`` urls),
+:func:`assign_shards` splits whole shards (or every k-th sample when there are fewer shards than workers).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
 class ShardSlice:
-    """A shard url and the samples of it this worker keeps: index % stride == offset."""
+    """A shard url and the samples of it this worker keeps: ``index % stride == offset`` and
+    ``start <= index < stop``; ``size`` is the shard's stated sample count (checked while reading)."""
 
     url: str
     offset: int = 0
     stride: int = 1
+    start: int = 0
+    stop: Optional[int] = None
+    size: Optional[int] = None
+    size_from: str = "sizes.json"
 
 
 def detect_rank_world() -> tuple[int, int]:
@@ -90,6 +101,47 @@ def batch_quota(samples_per_epoch: int, batch_size: int, world: int, num_workers
     per_rank = samples_per_epoch // (batch_size * world)
     base, extra = divmod(per_rank, num_workers)
     return per_rank, base + (1 if worker < extra else 0)
+
+
+def plan_ranges(urls: Sequence[str], sizes: Sequence[int], weights: Sequence[int],
+                size_from: Optional[Sequence[str]] = None) -> list[list[ShardSlice]]:
+    """Cut the samples of ``urls`` (in this order) into one contiguous range per global worker.
+
+    Global worker ``g`` gets samples ``[N * W_g // W, N * W_{g+1} // W)`` of the concatenated
+    shards (``N`` samples, ``W_g`` the sum of the weights before ``g``, ``W`` their total), so the
+    ranges are disjoint, cover every sample, and a worker of weight (batch quota) ``q`` gets at least
+    ``q * batch`` samples whenever ``N >= W * batch``. A range becomes slices of at most two partial
+    shards and whole shards between them.
+    """
+    total_w = sum(weights)
+    n = sum(sizes)
+    bounds = [0]
+    acc = 0
+    for w in weights:
+        acc += w
+        bounds.append(n * acc // total_w if total_w else n)
+    plans: list[list[ShardSlice]] = [[] for _ in weights]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    g = 0
+    for i, (url, size) in enumerate(zip(urls, sizes)):
+        lo, hi = starts[i], starts[i + 1]
+        while g < len(weights) and bounds[g + 1] <= lo:
+            g += 1
+        if size == 0:  # an empty shard still goes to a worker: the reader checks (and reports) it
+            owner = min(g, len(weights) - 1)
+            plans[owner].append(ShardSlice(url, start=0, stop=0, size=0,
+                                           size_from=size_from[i] if size_from else "sizes.json"))
+            continue
+        h = g
+        while h < len(weights) and bounds[h] < hi:
+            a, b = max(lo, bounds[h]), min(hi, bounds[h + 1])
+            if b > a:
+                plans[h].append(ShardSlice(url, start=a - lo, stop=b - lo, size=size,
+                                           size_from=size_from[i] if size_from else "sizes.json"))
+            h += 1
+    return plans
 
 
 def worker_seed(*parts: int) -> int:

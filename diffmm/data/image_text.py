@@ -16,34 +16,57 @@ from diffmm.data.transforms import image_transform
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 
 
-def decode_image(sample: dict, stats, where: str) -> Image.Image | None:
-    """The sample's image, fully decoded, or ``None`` after counting a skip."""
+#: default cap on decoded image size (pixels): Pillow's own decompression-bomb threshold
+MAX_IMAGE_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
+
+
+def decode_image(sample: dict, stats, where: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> Image.Image | None:
+    """The sample's image, fully decoded, or ``None`` after counting a skip.
+
+    Images with more than ``max_pixels`` pixels (width x height from the header, checked before any
+    decoding) are skipped as ``image_too_large``; ``None`` lifts the cap.
+    """
     field = next((f for f in IMAGE_FIELDS if f in sample), None)
     if field is None:
         stats.skip("missing_image", where, f"fields {sorted(k for k in sample if not k.startswith('__'))}")
         return None
+    pillow_limit = Image.MAX_IMAGE_PIXELS
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            # Pillow's own bomb check would warn (or raise at 2x its limit): ours below replaces it
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            if max_pixels is None or (pillow_limit and 2 * pillow_limit < max_pixels):
+                Image.MAX_IMAGE_PIXELS = None  # the caller asked for more than Pillow allows
             img = Image.open(io.BytesIO(sample[field]))
+            w, h = img.size
+            if max_pixels is not None and w * h > max_pixels:
+                stats.skip("image_too_large", where, f"{field}: {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
+                return None
             img.load()
+    except Image.DecompressionBombError as e:
+        stats.skip("image_too_large", where, f"{field}: {e}")
+        return None
     except Exception as e:  # PIL raises many types for bad bytes
         stats.skip("corrupt_image", where, f"{field}: {type(e).__name__}: {e}")
         return None
+    finally:
+        Image.MAX_IMAGE_PIXELS = pillow_limit
     return img
 
 
 class _ImageStream(ShardStream):
     def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,
-                 image_size: int = 224, train: bool = True, **kwargs: Any) -> None:
+                 image_size: int = 224, train: bool = True, max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("shuffle", train)
         kwargs.setdefault("equalize", train)
         super().__init__(urls, batch_size, **kwargs)
         self.transform = transform if transform is not None else image_transform(image_size, train=train)
+        self.max_image_pixels = max_image_pixels
 
     def _image(self, sample: dict) -> torch.Tensor | None:
         where = f"{sample['__url__']}:{sample['__key__']}"
-        img = decode_image(sample, self.stats, where)
+        img = decode_image(sample, self.stats, where, self.max_image_pixels)
         if img is None:
             return None
         try:
@@ -69,7 +92,9 @@ class ImageTextDataset(_ImageStream):
         context_length: for the default tokenizer.
         train: default transform kind; also the default for ``shuffle`` and ``equalize``.
         text_field: caption field (file extension).
-        **kwargs: :class:`ShardStream` options.
+        max_image_pixels: skip images with more pixels than this (``image_too_large``; default: Pillow's
+            decompression-bomb threshold, about 89 M; ``None``: no cap).
+        **kwargs: :class:`ShardStream` options (also ``max_member_bytes``, ``pipe_timeout``).
     """
 
     def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,

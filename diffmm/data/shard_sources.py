@@ -7,29 +7,82 @@ import io
 import json
 import os
 import random
+import warnings
 from typing import Iterator, Sequence
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from diffmm.data.writer import ShardWriter, sanitize_key
 
-KEEP_AS_IS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+STORED_AS_IS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 IMAGE_COLUMNS = ("image", "file", "filename", "filepath", "path", "url")
 CAPTION_COLUMNS = ("caption", "text", "title", "txt")
 
 
-def image_field(path: str) -> tuple[str, bytes]:
-    """(field, bytes) for an image file: jpg/png/webp as they are, other formats re-encoded to png."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext in KEEP_AS_IS:
-        with open(path, "rb") as f:
-            return KEEP_AS_IS[ext], f.read()
-    buf = io.BytesIO()
-    with Image.open(path) as img:
-        img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, "PNG")
-    return "png", buf.getvalue()
+class BadImage(ValueError):
+    """A file that is not a decodable image (or is larger than the pixel cap)."""
+
+
+def image_field(path: str, max_pixels: int | None = None) -> tuple[str, bytes]:
+    """(field, bytes) for an image file, checked by decoding it fully with Pillow.
+
+    JPEG, PNG and WebP are stored as they are (the field follows the real format, not the file
+    extension); other formats are re-encoded to PNG.
+
+    Raises:
+        BadImage: not an image Pillow can decode, or more than ``max_pixels`` pixels (default:
+            Pillow's decompression-bomb threshold).
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own cap follows
+            img = Image.open(io.BytesIO(data))
+        with img:
+            w, h = img.size
+            limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
+            if limit and w * h > limit:
+                raise BadImage(f"{path}: {w}x{h} image has more than {limit} pixels")
+            img.load()
+            fmt = img.format
+            if fmt in STORED_AS_IS:
+                return STORED_AS_IS[fmt], data
+            buf = io.BytesIO()
+            img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, "PNG")
+            return "png", buf.getvalue()
+    except BadImage:
+        raise
+    except UnidentifiedImageError:
+        raise BadImage(f"{path}: not an image format Pillow recognises") from None
+    except Exception as e:  # Pillow raises many types for bad bytes
+        raise BadImage(f"{path}: not a decodable image ({type(e).__name__}: {e})") from None
+
+
+class SkipCounter:
+    """Counts rows skipped by reason; ``str()`` is ``"3 rows skipped (missing image=2, bad image=1)"``."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def add(self, reason: str, detail: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.first.setdefault(reason, detail)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __str__(self) -> str:
+        if not self.counts:
+            return ""
+        parts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+        first = "; ".join(f"first {k}: {v}" for k, v in sorted(self.first.items()))
+        return f"{self.total} rows skipped ({parts}); {first}"
 
 
 def read_table(path: str) -> list[dict]:
@@ -71,36 +124,60 @@ def _pick_column(rows: list[dict], wanted: str | None, candidates: Sequence[str]
 
 def from_captions(image_dir: str, captions: str, out_dir: str, prefix: str = "shard", maxcount: int = 10000,
                   maxsize: int = 1 << 30, image_column: str | None = None, caption_column: str | None = None,
-                  skip_missing: bool = False, progress: bool = True) -> ShardWriter:
+                  skip_missing: bool = False, progress: bool = True, skip_bad: bool = False,
+                  max_pixels: int | None = None) -> ShardWriter:
     """Write image-caption shards from ``image_dir`` and a captions table.
 
     Keys are the row numbers (``000000042``), in table order. Extra columns go into ``KEY.json``.
+    Every image is decoded before it is stored. The old shards of ``prefix`` in ``out_dir`` are
+    replaced only when the whole table went through (see :class:`ShardWriter`).
+
+    Args:
+        skip_missing: skip rows whose image file is missing (counted).
+        skip_bad: skip rows whose image is missing or not decodable, or whose caption is empty
+            (counted by reason in ``writer.skipped``); without it such a row stops the run.
+        max_pixels: largest image accepted (default: Pillow's decompression-bomb threshold).
 
     Raises:
-        FileNotFoundError: a listed image is missing (unless ``skip_missing``), naming the row and path.
+        FileNotFoundError: a listed image is missing, naming the row and path.
+        ValueError: an image is not decodable or a caption is empty, naming the row; or no row was usable.
     """
     rows = read_table(captions)
     if not rows:
         raise ValueError(f"{captions}: no rows")
     icol = _pick_column(rows, image_column, IMAGE_COLUMNS, "image", captions)
     ccol = _pick_column(rows, caption_column, CAPTION_COLUMNS, "caption", captions)
-    missing = 0
+    skipped = SkipCounter()
     with ShardWriter(out_dir, prefix, maxcount, maxsize) as writer:
         for i, row in enumerate(tqdm(rows, desc=f"from-captions {prefix}", unit="img", disable=not progress)):
+            where = f"{captions} row {i + 1}"
             path = os.path.join(image_dir, str(row[icol]))
             if not os.path.isfile(path):
-                if skip_missing:
-                    missing += 1
+                if skip_missing or skip_bad:
+                    skipped.add("missing image", f"{where}: {path}")
                     continue
-                raise FileNotFoundError(f"{captions} row {i + 1}: image {path} not found (use --skip-missing to skip)")
+                raise FileNotFoundError(f"{where}: image {path} not found (use --skip-missing or --skip-bad to skip; "
+                                        "the old shards are kept)")
             caption = row[ccol]
             if caption is None or not str(caption).strip():
-                raise ValueError(f"{captions} row {i + 1}: empty {ccol!r}")
-            field, data = image_field(path)
+                if skip_bad:
+                    skipped.add("empty caption", where)
+                    continue
+                raise ValueError(f"{where}: empty {ccol!r} (use --skip-bad to skip; the old shards are kept)")
+            try:
+                field, data = image_field(path, max_pixels)
+            except BadImage as e:
+                if skip_bad:
+                    skipped.add("bad image", f"{where}: {e}")
+                    continue
+                raise BadImage(f"{where}: {e} (use --skip-bad to skip; the old shards are kept)") from None
             meta = {k: v for k, v in row.items() if k not in (icol, ccol)}
             meta.update(source=str(row[icol]), caption=str(caption))
             writer.write(f"{i:09d}", {field: data, "txt": str(caption), "json": json.dumps(meta, default=str)})
-    writer.skipped_missing = missing  # type: ignore[attr-defined]
+        if writer.total == 0:
+            raise ValueError(f"{captions}: no usable row ({skipped}); the old shards are kept")
+    writer.skipped = skipped  # type: ignore[attr-defined]
+    writer.skipped_missing = skipped.counts.get("missing image", 0)  # type: ignore[attr-defined]
     return writer
 
 
@@ -111,11 +188,13 @@ def class_caption(name: str, template: str = "a photo of a {}.") -> str:
 
 def from_folders(root: str, out_dir: str, prefix: str = "shard", maxcount: int = 10000, maxsize: int = 1 << 30,
                  template: str = "a photo of a {}.", shuffle: bool = True, seed: int = 0,
-                 progress: bool = True) -> ShardWriter:
+                 progress: bool = True, skip_bad: bool = False, max_pixels: int | None = None) -> ShardWriter:
     """Write shards from ``root/CLASS/*.jpg``: ``KEY.{img}``, ``KEY.cls`` (index of the sorted class
     names), ``KEY.txt`` (caption from ``template``), ``KEY.json``; plus ``classes.json`` in ``out_dir``.
 
-    Samples are shuffled with ``seed`` (shards then mix classes); keys are ``CLASS_FILESTEM``.
+    Samples are shuffled with ``seed`` (shards then mix classes); keys are ``CLASS_FILESTEM``. Every
+    image is decoded first: an undecodable one stops the run (old shards kept) unless ``skip_bad``
+    (then it is counted in ``writer.skipped``).
     """
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     if not classes:
@@ -130,15 +209,25 @@ def from_folders(root: str, out_dir: str, prefix: str = "shard", maxcount: int =
     if shuffle:
         random.Random(seed).shuffle(items)
     names = [c.replace("_", " ").replace("-", " ") for c in classes]
+    skipped = SkipCounter()
     with ShardWriter(out_dir, prefix, maxcount, maxsize) as writer:
         for label, cls, path in tqdm(items, desc=f"from-folders {prefix}", unit="img", disable=not progress):
-            field, data = image_field(path)
+            try:
+                field, data = image_field(path, max_pixels)
+            except BadImage as e:
+                if skip_bad:
+                    skipped.add("bad image", str(e))
+                    continue
+                raise BadImage(f"{e} (use --skip-bad to skip; the old shards are kept)") from None
             key = sanitize_key(f"{cls}_{os.path.splitext(os.path.basename(path))[0]}")
             meta = {"label": label, "class": names[label], "source": os.path.relpath(path, root)}
             writer.write(key, {field: data, "cls": str(label), "txt": class_caption(cls, template),
                                "json": json.dumps(meta)})
+        if writer.total == 0:
+            raise ValueError(f"{root}: no usable image ({skipped}); the old shards are kept")
     with open(os.path.join(out_dir, "classes.json"), "w") as f:
         json.dump({"classes": names, "folders": classes, "templates": [template]}, f, indent=1)
+    writer.skipped = skipped  # type: ignore[attr-defined]
     return writer
 
 

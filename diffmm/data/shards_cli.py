@@ -19,8 +19,18 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit])
 
 
+def _pixels(text: str) -> int | None:
+    if text.lower() in ("none", "0", "off"):
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad pixel count {text!r} (e.g. 89478485, 1e8 or none)") from None
+
+
 def _add_limits(p: argparse.ArgumentParser, maxcount: int) -> None:
-    p.add_argument("--prefix", default="shard", help="shard file name prefix (default: shard)")
+    p.add_argument("--prefix", default="shard",
+                   help="shard file name prefix, a plain name without '/' or '..' (default: shard)")
     p.add_argument("--maxcount", type=int, default=maxcount, help=f"samples per shard (default: {maxcount})")
     p.add_argument("--maxsize", type=parse_size, default=1 << 30, help="bytes per shard, e.g. 500MB (default: 1GB)")
 
@@ -35,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--image-column", help="default: first of image,file,filename,filepath,path,url")
     p.add_argument("--caption-column", help="default: first of caption,text,title,txt")
-    p.add_argument("--skip-missing", action="store_true", help="skip rows whose image file is missing")
+    p.add_argument("--skip-missing", action="store_true", help="skip rows whose image file is missing (counted)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip rows with a missing or undecodable image or an empty caption (counted); "
+                        "default: stop, keeping the old shards")
+    p.add_argument("--max-image-pixels", type=_pixels, default=None,
+                   help="reject larger images (default: Pillow's decompression-bomb threshold, ~89M)")
     _add_limits(p, 10000)
 
     p = sub.add_parser("from-folders", help="ROOT/CLASS/*.jpg -> labelled shards + classes.json")
@@ -44,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default="a photo of a {}.", help="caption template for the class name")
     p.add_argument("--no-shuffle", action="store_true", help="keep class order (default: shuffle with --seed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip undecodable images (counted); default: stop, keeping the old shards")
+    p.add_argument("--max-image-pixels", type=_pixels, default=None,
+                   help="reject larger images (default: Pillow's decompression-bomb threshold, ~89M)")
     _add_limits(p, 10000)
 
     p = sub.add_parser("from-text", help="text files (one document each) -> text shards")
@@ -72,9 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("demo-text", "demo-all"):
             p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default: 8192)")
 
-    p = sub.add_parser("check", help="read shards and report samples, skips and shard problems")
-    p.add_argument("urls", help="shard spec, e.g. 'data/emoji/noto/emoji-noto-{000000..000001}.tar'")
+    p = sub.add_parser("check", help="read shards and report samples, skips and shard problems (exit 1 if any)")
+    p.add_argument("urls", nargs="+", help="shards: files, brace patterns or globs, e.g. "
+                                           "'data/emoji/noto/emoji-noto-{000000..000001}.tar' or 'dir/*.tar'")
     p.add_argument("--kind", choices=("image-text", "text"), default="image-text")
+    from diffmm.data.image_text import MAX_IMAGE_PIXELS
+    from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT
+
+    p.add_argument("--max-member-bytes", type=parse_size, default=MAX_MEMBER_BYTES,
+                   help=f"skip samples with a larger tar member, e.g. 64MB (default: {MAX_MEMBER_BYTES >> 20}MB)")
+    p.add_argument("--max-image-pixels", type=_pixels, default=MAX_IMAGE_PIXELS,
+                   help=f"skip larger images (default: {MAX_IMAGE_PIXELS}; 'none': no cap)")
+    p.add_argument("--pipe-timeout", type=float, default=PIPE_TIMEOUT,
+                   help=f"kill a pipe: command silent for this many seconds (default: {PIPE_TIMEOUT:g})")
+
+    p = sub.add_parser("index", help="count the samples of shards and write sizes.json beside them")
+    p.add_argument("urls", nargs="+", help="local shards: files, brace patterns or globs, e.g. 'dir/*.tar'")
 
     p = sub.add_parser("montage", help="draw a PNG of demo samples")
     p.add_argument("--data", default=DEFAULT_OUT)
@@ -82,17 +114,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check(urls: str, kind: str) -> int:
-    from diffmm.data.image_text import decode_image
-    from diffmm.data.stats import DataStats
-    from diffmm.data.tar_reader import iter_tar_samples
+def _urls(specs: list[str]) -> list[str]:
     from diffmm.data.urls import check_shards_exist, expand_sources
 
-    shard_urls = [u for s in expand_sources(urls) for u in s.urls]
-    check_shards_exist(shard_urls)
+    urls = list(dict.fromkeys(u for spec in specs for s in expand_sources(spec) for u in s.urls))
+    check_shards_exist(urls)
+    return urls
+
+
+def _check(specs: list[str], kind: str, max_member_bytes: int | None = None, max_image_pixels: int | None = None,
+           pipe_timeout: float | None = None) -> int:
+    from diffmm.data.image_text import decode_image
+    from tqdm import tqdm
+
+    from diffmm.data.sizes import stated_counts
+    from diffmm.data.stats import DataStats
+    from diffmm.data.tar_reader import ReadLimits, iter_tar_samples
+
+    shard_urls = _urls(specs)
+    stated = stated_counts(shard_urls)  # compared with sizes.json / *_stats.json where they exist
+    limits = ReadLimits(max_member_bytes, pipe_timeout)
     stats = DataStats("check")
-    for url in shard_urls:
-        for s in iter_tar_samples(url, stats):
+    for url in tqdm(shard_urls, desc="check", unit="shard", disable=len(shard_urls) < 2):
+        expected = stated.get(url)
+        for s in iter_tar_samples(url, stats, limits=limits, expected=expected.samples if expected else None,
+                                  expected_from=expected.source if expected else ""):
             stats.add("samples_in")
             where = f"{url}:{s['__key__']}"
             if "txt" not in s:
@@ -103,17 +149,35 @@ def _check(urls: str, kind: str) -> int:
             except UnicodeDecodeError:
                 stats.skip("bad_utf8", where)
                 continue
-            if kind == "image-text" and decode_image(s, stats, where) is None:
+            if kind == "image-text" and decode_image(s, stats, where, max_image_pixels) is None:
                 continue
             stats.add("samples_out")
     print(stats.summary())
-    return 0 if stats.skipped == 0 and stats.snapshot()["shards_failed"] == 0 else 1
+    snap = stats.snapshot()
+    bad_shards = sum(snap[k] for k in ("shards_failed", "shards_truncated", "shards_empty", "shards_miscounted"))
+    if len(stated) < len(shard_urls):
+        print(f"{len(shard_urls) - len(stated)} of {len(shard_urls)} shards have no sizes.json entry "
+              "(`diffmm shards index` writes one; training counts them on first use)")
+    return 0 if stats.skipped == 0 and bad_shards == 0 else 1
+
+
+def _index(specs: list[str]) -> int:
+    from diffmm.data.sizes import write_sizes
+
+    written = write_sizes(_urls(specs))
+    for path, counts in written.items():
+        print(f"{path}: {sum(counts.values())} samples in {len(counts)} shards")
+    return 0
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``diffmm shards``."""
     args = build_parser().parse_args(argv)
+    import logging
+
     from diffmm.data.sources import MissingSource
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     try:
         return _run(args)
@@ -124,19 +188,25 @@ def main(argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     c = args.command
+    if getattr(args, "prefix", None) is not None:
+        from diffmm.data.writer import check_prefix
+
+        check_prefix(args.prefix)  # before anything is read or written
     if c == "from-captions":
         from diffmm.data.shard_sources import from_captions
 
         w = from_captions(args.image_dir, args.captions, args.out, args.prefix, args.maxcount, args.maxsize,
-                          args.image_column, args.caption_column, args.skip_missing)
+                          args.image_column, args.caption_column, args.skip_missing, skip_bad=args.skip_bad,
+                          max_pixels=args.max_image_pixels)
         print(f"wrote {w.total} samples in {len(w.shards)} shards: {w.pattern}"
-              + (f" ({w.skipped_missing} rows skipped: image missing)" if w.skipped_missing else ""))
+              + (f"; {w.skipped}" if w.skipped.total else ""))
     elif c == "from-folders":
         from diffmm.data.shard_sources import from_folders
 
         w = from_folders(args.root, args.out, args.prefix, args.maxcount, args.maxsize, args.template,
-                         not args.no_shuffle, args.seed)
-        print(f"wrote {w.total} samples in {len(w.shards)} shards: {w.pattern}; classes in {args.out}/classes.json")
+                         not args.no_shuffle, args.seed, skip_bad=args.skip_bad, max_pixels=args.max_image_pixels)
+        print(f"wrote {w.total} samples in {len(w.shards)} shards: {w.pattern}; classes in {args.out}/classes.json"
+              + (f"; {w.skipped}" if w.skipped.total else ""))
     elif c == "from-text":
         from diffmm.data.shard_sources import from_text
 
@@ -166,7 +236,9 @@ def _run(args: argparse.Namespace) -> int:
     elif c in ("demo-emoji", "demo-fashion-mnist", "demo-text", "demo-all"):
         _demo(args)
     elif c == "check":
-        return _check(args.urls, args.kind)
+        return _check(args.urls, args.kind, args.max_member_bytes, args.max_image_pixels, args.pipe_timeout)
+    elif c == "index":
+        return _index(args.urls)
     elif c == "montage":
         from diffmm.data.montage import demo_montage
 

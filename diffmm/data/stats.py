@@ -20,14 +20,18 @@ COUNTERS: tuple[str, ...] = (
     "shards_failed",      # could not be opened or the stream failed (missing file, pipe error)
     "shards_truncated",   # tar stream ended inside a member or header
     "shards_empty",       # no samples at all
+    "shards_miscounted",  # fewer (or more) samples than its sizes.json / *_stats.json entry says
     "samples_in",
     "samples_out",
+    "samples_reread",     # read again in the same epoch to fill a batch quota (skips, miscounted shards)
     "skip_corrupt_image",
     "skip_missing_image",
     "skip_missing_text",
     "skip_bad_utf8",
     "skip_truncated",     # the sample being read when its shard was cut off
     "skip_bad_label",
+    "skip_oversized",     # a tar member over max_member_bytes (never read into memory)
+    "skip_image_too_large",  # more pixels than max_image_pixels (decompression bombs)
     "skip_other",
 )
 SKIP_REASONS: tuple[str, ...] = tuple(c[len("skip_"):] for c in COUNTERS if c.startswith("skip_"))
@@ -41,6 +45,14 @@ class DataStats:
         self._values = mp.get_context().Array("q", len(COUNTERS), lock=True)
         self._index = {c: i for i, c in enumerate(COUNTERS)}
         self._warned: set[str] = set()
+
+    def use_context(self, ctx) -> None:
+        """Move the counters into shared memory of multiprocessing context ``ctx`` (e.g. a DataLoader's
+        ``multiprocessing_context="spawn"`` when the default is fork); the counts are kept."""
+        values = ctx.Array("q", len(COUNTERS), lock=True)
+        with self._values.get_lock():
+            values[:] = self._values[:]
+        self._values = values
 
     def add(self, counter: str, n: int = 1) -> None:
         """Increment ``counter`` by ``n``."""
@@ -83,13 +95,14 @@ class DataStats:
     def summary(self, counts: dict[str, int] | None = None) -> str:
         """One line: samples in/out/skipped with non-zero reasons and shard problems."""
         c = self.snapshot() if counts is None else counts
-        skipped = sum(c["skip_" + r] for r in SKIP_REASONS)
-        reasons = ", ".join(f"{r}={c['skip_' + r]}" for r in SKIP_REASONS if c["skip_" + r])
+        skipped = sum(c.get("skip_" + r, 0) for r in SKIP_REASONS)
+        reasons = ", ".join(f"{r}={c['skip_' + r]}" for r in SKIP_REASONS if c.get("skip_" + r))
         shards = f"shards opened={c['shards_opened']}"
-        for k in ("shards_failed", "shards_truncated", "shards_empty"):
-            if c[k]:
+        for k in ("shards_failed", "shards_truncated", "shards_empty", "shards_miscounted"):
+            if c.get(k):
                 shards += f" {k.split('_')[1]}={c[k]}"
-        return (f"{self.name}: samples in={c['samples_in']} out={c['samples_out']} skipped={skipped}"
+        reread = f" reread={c['samples_reread']}" if c.get("samples_reread") else ""
+        return (f"{self.name}: samples in={c['samples_in']} out={c['samples_out']} skipped={skipped}{reread}"
                 f"{' (' + reasons + ')' if reasons else ''}; {shards}")
 
     def all_reduce(self) -> dict[str, int]:

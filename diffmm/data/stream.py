@@ -1,7 +1,7 @@
 """Base iterable dataset over webdataset shards: shard assignment, epochs, shuffling, batching.
 
 Subclasses turn raw samples into items (:meth:`ShardStream._process` or, for stateful work such
-as sequence packing, :meth:`ShardStream._items`) and items into a batch (:meth:`_collate`).
+as sequence packing, :meth:`ShardStream._keyed_items`) and items into a batch (:meth:`_collate`).
 Batches are built inside the DataLoader workers, so use ``batch_size=None`` in the DataLoader
 (:class:`ShardLoader` does).
 
@@ -9,8 +9,14 @@ Three epoch modes:
 
 * ``resampled=True``: every worker draws shards with replacement (sources picked by weight),
   forever; the epoch is cut at a fixed batch quota from ``samples_per_epoch``.
-* ``equalize=True`` (default for training): disjoint shards per rank x worker, re-read in a new
-  order if a worker runs out before its quota. Every rank yields exactly ``len(dataset)`` batches.
+* ``equalize=True`` (default for training): every rank yields exactly ``len(dataset)`` batches.
+  With known shard sizes (``sizes.json``, img2dataset's ``*_stats.json``, or counted once, see
+  :mod:`diffmm.data.sizes`) the epoch's shard sequence is cut into one contiguous sample range per
+  rank x worker, sized by its batch quota: every sample is read at most once per epoch and fewer
+  than one global batch (``world x batch_size``) is left out. A worker that still runs short
+  (skipped samples, a shard smaller than its ``sizes.json`` entry) re-reads its range
+  (``samples_reread``). Without sizes (``pipe:`` urls and an explicit ``samples_per_epoch``) whole
+  shards are split and a worker that runs out re-reads its own shards.
 * ``equalize=False`` (evaluation): each sample exactly once, disjoint over ranks and workers;
   ranks may yield different numbers of batches.
 """
@@ -25,10 +31,12 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from diffmm.data.dist import ShardSlice, assign_shards, batch_quota, detect_rank_world, worker_id_count, worker_seed
+from diffmm.data.dist import (ShardSlice, assign_shards, batch_quota, detect_rank_world, plan_ranges, worker_id_count,
+                              worker_seed)
+from diffmm.data.sizes import ShardCount, UnknownShardSize, shard_counts
 from diffmm.data.stats import DataStats
-from diffmm.data.tar_reader import iter_tar_samples
-from diffmm.data.urls import check_shards_exist, expand_sources, read_sizes
+from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT, ReadLimits, iter_tar_samples
+from diffmm.data.urls import check_shards_exist, expand_sources
 
 #: a worker that reads this many shards in a row without a single sample gives up (resampled mode)
 MAX_BARREN_SHARDS = 200
@@ -68,13 +76,16 @@ class ShardStream(IterableDataset):
         stats: counters to use (default: a new :class:`DataStats`).
         name: used in logs.
         check_exist: raise at construction if local shards are missing.
+        max_member_bytes: skip samples with a tar member larger than this (never read; ``None``: no cap).
+        pipe_timeout: seconds a ``pipe:`` command may send nothing before it is killed (``None``: no limit).
     """
 
     def __init__(self, urls: str | Sequence[str], batch_size: int, *, weights: Sequence[float] | None = None,
                  resampled: bool = False, equalize: bool = True, samples_per_epoch: int | None = None,
                  shuffle: bool = True, shuffle_buffer: int = 1000, seed: int = 0, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, stats: DataStats | None = None,
-                 name: str = "data", check_exist: bool = True) -> None:
+                 name: str = "data", check_exist: bool = True, max_member_bytes: int | None = MAX_MEMBER_BYTES,
+                 pipe_timeout: float | None = PIPE_TIMEOUT) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -100,8 +111,19 @@ class ShardStream(IterableDataset):
         self._epoch = mp.get_context().Value("q", -1)   # shared with workers; -1 = never set
         self._local_iters = 0
         self._dist_snapshot: tuple[int, int] | None = None
+        self.limits = ReadLimits(max_member_bytes, pipe_timeout)
+        #: yield ``(batch, keys)`` with the sample key of every row (``diffmm predict`` uses it)
+        self.with_keys = False
+        self._counts: dict[str, ShardCount] | None = None
+        self._counts_known: bool | None = None   # None: not looked up yet
 
     # ----- epochs and distributed setup -------------------------------------------------------
+    def use_context(self, ctx) -> None:
+        """Create the state shared with DataLoader workers (epoch, counters) in multiprocessing context ``ctx``."""
+        epoch = ctx.Value("q", self._epoch.value)
+        self._epoch = epoch
+        self.stats.use_context(ctx)
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (changes shard order, shuffles and resampling); visible to running workers."""
         self._epoch.value = int(epoch)
@@ -127,15 +149,29 @@ class ShardStream(IterableDataset):
         return state
 
     # ----- epoch length -----------------------------------------------------------------------
+    def shard_counts(self) -> dict[str, ShardCount] | None:
+        """Samples per shard (looked up, or counted and cached, on first use); ``None`` if unknowable."""
+        if self._counts_known is None:
+            try:
+                self._counts = shard_counts(self.urls, progress=self.rank_world()[0] == 0)
+                self._counts_known = True
+            except UnknownShardSize:
+                self._counts, self._counts_known = None, False
+        return self._counts
+
     @property
     def samples_per_epoch(self) -> int:
-        """Items per epoch over all ranks (explicit, else from ``sizes.json``)."""
+        """Items per epoch over all ranks (explicit, else the shards' sample counts)."""
         if self._samples_per_epoch is None:
-            self._samples_per_epoch = read_sizes(self.urls)
+            counts = self.shard_counts()
+            if counts is None:
+                raise ValueError(f"{self.name}: the number of samples of {self.urls[0]!r} is unknown (not a local "
+                                 "shard); pass samples_per_epoch")
+            self._samples_per_epoch = sum(c.samples for c in counts.values())
         return self._samples_per_epoch
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (exact in quota modes; nominal from sizes.json otherwise)."""
+        """Batches this rank yields per epoch (exact in quota modes and for finite image streams)."""
         _, world = self.rank_world()
         if self.equalize:
             return self.samples_per_epoch // (self.batch_size * world)
@@ -144,14 +180,36 @@ class ShardStream(IterableDataset):
     def _finite_len(self) -> int:
         rank, world = self.rank_world()
         n_workers = max(1, getattr(self, "_num_workers_hint", 1))
+        counts = self.shard_counts()
+        if counts is None:
+            raise ValueError(f"{self.name}: the number of samples of {self.urls[0]!r} is unknown (not a local "
+                             "shard); the length of a finite stream needs local shards")
         total = 0
         for w in range(n_workers):
             n = 0
-            for sl in assign_shards(self.urls, rank, world, w, n_workers):
-                size = read_sizes([sl.url])
-                n += max(0, math.ceil((size - sl.offset) / sl.stride))
+            for sl in self._slices(list(self.urls), rank, world, w, n_workers):
+                size = counts[sl.url].samples
+                stop = size if sl.stop is None else min(sl.stop, size)
+                n += max(0, math.ceil((stop - sl.start - sl.offset) / sl.stride))
             total += n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
         return total
+
+    def _slices(self, urls: list[str], rank: int, world: int, worker: int, n_workers: int) -> list[ShardSlice]:
+        """This worker's shard slices for an epoch whose shard order is ``urls``."""
+        counts = self.shard_counts()
+        if counts is None:
+            return assign_shards(urls, rank, world, worker, n_workers)
+        if self.equalize:
+            weights = [batch_quota(self.samples_per_epoch, self.batch_size, world, n_workers, w)[1]
+                       for _ in range(world) for w in range(n_workers)]
+        else:
+            weights = [1] * (world * n_workers)
+        plans = plan_ranges(urls, [counts[u].samples for u in urls], weights, [counts[u].source for u in urls])
+        mine = plans[rank * n_workers + worker]
+        if not mine and weights[rank * n_workers + worker] > 0:
+            # an explicit samples_per_epoch larger than the data: this worker repeats the whole set
+            mine = [ShardSlice(u, size=counts[u].samples, size_from=counts[u].source) for u in urls]
+        return mine
 
     # ----- iteration --------------------------------------------------------------------------
     def _resampled_slices(self, rng: random.Random) -> Iterator[ShardSlice]:
@@ -166,7 +224,7 @@ class ShardStream(IterableDataset):
         Shuffling per pass (not across passes) means a worker yields all of its samples once
         before it repeats any, whatever the buffer size.
         """
-        for _ in itertools.count():
+        for n_pass in itertools.count():
             before = produced[0]
             order = list(mine)
             if self.shuffle:
@@ -174,7 +232,12 @@ class ShardStream(IterableDataset):
             samples = self._raw_samples(iter(order), produced)
             if self.shuffle_buffer > 1:
                 samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
-            yield from samples
+            if n_pass == 0:
+                yield from samples
+            else:
+                for sample in samples:
+                    self.stats.add("samples_reread")
+                    yield sample
             if not self.equalize:
                 return
             if produced[0] == before:
@@ -185,7 +248,8 @@ class ShardStream(IterableDataset):
         barren = 0
         for sl in slices:
             before = produced[0]
-            for sample in iter_tar_samples(sl.url, self.stats, sl.offset, sl.stride):
+            for sample in iter_tar_samples(sl.url, self.stats, sl.offset, sl.stride, start=sl.start, stop=sl.stop,
+                                           expected=sl.size, expected_from=sl.size_from, limits=self.limits):
                 produced[0] += 1
                 yield sample
             barren = barren + 1 if produced[0] == before else 0
@@ -196,8 +260,8 @@ class ShardStream(IterableDataset):
         """Turn one raw sample into an item, or count a skip and return ``None``."""
         raise NotImplementedError
 
-    def _items(self, samples: Iterator[dict]) -> Iterator[Any]:
-        """Items from raw samples; counts ``samples_in``/``samples_out``."""
+    def _keyed_items(self, samples: Iterator[dict]) -> Iterator[tuple[str, Any]]:
+        """``(sample key, item)`` from raw samples; counts ``samples_in``/``samples_out``."""
         skips = 0
         for sample in samples:
             self.stats.add("samples_in")
@@ -208,7 +272,7 @@ class ShardStream(IterableDataset):
                 continue
             skips = 0
             self.stats.add("samples_out")
-            yield item
+            yield sample["__key__"], item
 
     def _check_skips(self, consecutive: int) -> None:
         if self.equalize and consecutive >= MAX_CONSECUTIVE_SKIPS:
@@ -233,7 +297,7 @@ class ShardStream(IterableDataset):
             urls = list(self.urls)
             if self.shuffle:
                 random.Random(worker_seed(self.seed, epoch)).shuffle(urls)  # same order on every rank
-            mine = assign_shards(urls, rank, world, worker, n_workers)
+            mine = self._slices(urls, rank, world, worker, n_workers)
             samples = self._passes(mine, rng, produced)
         quota = None
         if self.equalize:
@@ -241,17 +305,23 @@ class ShardStream(IterableDataset):
             if quota == 0:
                 return
         batch: list[Any] = []
+        keys: list[str] = []
         n_batches = 0
-        for item in self._items(samples):
+        for key, item in self._keyed_items(samples):
             batch.append(item)
+            keys.append(key)
             if len(batch) == self.batch_size:
-                yield self._collate(batch)
-                batch = []
+                yield self._emit(batch, keys)
+                batch, keys = [], []
                 n_batches += 1
                 if quota is not None and n_batches >= quota:
                     return
         if batch and quota is None and not self.drop_last:
-            yield self._collate(batch)
+            yield self._emit(batch, keys)
+
+    def _emit(self, items: list[Any], keys: list[str]) -> Any:
+        batch = self._collate(items)
+        return (batch, keys) if self.with_keys else batch
 
 
 class ShardLoader(DataLoader):
@@ -266,6 +336,8 @@ class ShardLoader(DataLoader):
         kwargs.setdefault("persistent_workers", False)
         kwargs.setdefault("pin_memory", False)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
+        if num_workers > 0 and self.multiprocessing_context is not None:
+            dataset.use_context(self.multiprocessing_context)  # shared state must come from the workers' context
         dataset._num_workers_hint = max(1, num_workers)
         self._next_epoch = 0
         self.last_epoch_stats: dict[str, int] | None = None
@@ -276,6 +348,8 @@ class ShardLoader(DataLoader):
 
     def __iter__(self):  # type: ignore[override]
         ds: ShardStream = self.dataset  # type: ignore[assignment]
+        if not ds.resampled:
+            ds.shard_counts()  # look up / count once here, not in every worker
         self.last_epoch_stats = ds.stats.snapshot()
         ds.stats.reset()
         ds.set_epoch(self._next_epoch)

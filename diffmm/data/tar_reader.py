@@ -2,17 +2,40 @@
 
 A sample is the run of consecutive tar members sharing a key: for ``dir/000123.jpg`` the key is
 ``dir/000123`` and the field is ``jpg`` (everything after the first dot of the file name).
+
+Hostile input is bounded: a member larger than ``max_member_bytes`` is never read into memory (its
+sample is skipped and counted as ``skip_oversized``, whatever the compression ratio of the shard),
+and a ``pipe:`` command that sends nothing for ``pipe_timeout`` seconds is killed (``shards_failed``).
 """
 from __future__ import annotations
 
 import tarfile
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 from diffmm.data.stats import DataStats
 from diffmm.data.urls import open_shard
 
+#: default cap on one tar member (bytes): larger members are skipped without being read
+MAX_MEMBER_BYTES = 64 << 20
+#: default seconds a ``pipe:`` command may stay silent before it is killed
+PIPE_TIMEOUT = 120.0
 
-class _RecordingTarInfo(tarfile.TarInfo):
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """Caps applied while reading shards.
+
+    Args:
+        max_member_bytes: skip samples with a tar member larger than this (``None``: no cap).
+        pipe_timeout: seconds without data after which a ``pipe:`` command is killed (``None``: wait forever).
+    """
+
+    max_member_bytes: Optional[int] = MAX_MEMBER_BYTES
+    pipe_timeout: Optional[float] = PIPE_TIMEOUT
+
+
+class RecordingTarInfo(tarfile.TarInfo):
     """TarInfo that marks its archive when a header is cut off or missing (no end-of-archive block)."""
 
     @classmethod
@@ -34,31 +57,46 @@ def split_name(name: str) -> tuple[str, str] | None:
     return key, field.lower()
 
 
-def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 1) -> Iterator[dict]:
+def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 1, *, start: int = 0,
+                     stop: Optional[int] = None, expected: Optional[int] = None, expected_from: str = "sizes.json",
+                     limits: ReadLimits = ReadLimits()) -> Iterator[dict]:
     """Yield the samples of shard ``url`` as ``{"__key__", "__url__", field: bytes, ...}``.
 
     Args:
         url: local path, ``pipe:`` command or remote url.
-        stats: counters to update (shards opened/failed/truncated/empty; a sample cut off by
-            truncation counts as ``samples_in`` + ``skip_truncated``; the consumer counts the rest).
+        stats: counters to update (shards opened/failed/truncated/empty/miscounted; a sample cut off
+            by truncation or with an oversized member counts as ``samples_in`` + its skip reason
+            here; the consumer counts the rest).
         offset: keep only samples whose index in the shard is ``offset`` modulo ``stride``
-            (used when several workers share one shard).
+            (used when several workers share one shard without known sizes).
         stride: see ``offset``.
+        start, stop: keep only samples with ``start <= index < stop`` (a worker's range of the
+            shard); reading stops at ``stop``.
+        expected: the shard's stated sample count; a shard that ends before it, or goes on past it
+            when ``stop == expected``, is counted as ``shards_miscounted`` and named in a warning.
+        expected_from: where ``expected`` comes from (for the warning).
+        limits: member size cap and ``pipe:`` timeout.
     """
     try:
-        stream = open_shard(url)
+        stream = open_shard(url, timeout=limits.pipe_timeout)
     except OSError as e:
         stats.shard_problem("shards_failed", url, f"{type(e).__name__}: {e}")
         return
     stats.add("shards_opened")
+    cap = limits.max_member_bytes
     index = 0          # index of the current sample within the shard
     current: dict | None = None
+    oversized: str | None = None   # why the current sample is skipped (a member over the cap)
     n_members = 0
     problem: str | None = None
     tf = None
     abandoned = False
+
+    def wanted(i: int) -> bool:
+        return i % stride == offset and i >= start
+
     try:
-        tf = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_RecordingTarInfo)
+        tf = tarfile.open(fileobj=stream, mode="r|*", tarinfo=RecordingTarInfo)
         for member in tf:
             if not member.isfile():
                 continue
@@ -67,14 +105,28 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
                 continue
             key, field = parts
             if current is not None and current["__key__"] != key:
-                if index % stride == offset:
-                    yield current
+                if wanted(index):
+                    if oversized is not None:
+                        _skip_oversized(stats, url, current, oversized)
+                    else:
+                        yield current
                 index += 1
-                current = None
+                current, oversized = None, None
             if current is None:
+                if stop is not None and index >= stop:
+                    if expected is not None and stop >= expected:
+                        stats.shard_problem("shards_miscounted", url, f"more samples than the {expected} "
+                                            f"{expected_from} says; the rest are not read (run `diffmm shards index`)")
+                    abandoned = True
+                    break
                 current = {"__key__": key, "__url__": url}
-            current[field] = tf.extractfile(member).read()  # type: ignore[union-attr]
             n_members += 1
+            if not wanted(index):
+                continue  # tarfile skips the member's data
+            if cap is not None and member.size > cap:
+                oversized = f"{field}: {member.size} bytes > max_member_bytes={cap}"
+                continue
+            current[field] = tf.extractfile(member).read()  # type: ignore[union-attr]
         if getattr(tf, "_diffmm_cut", False):
             problem = "stream ended without the end-of-archive block"
     except GeneratorExit:  # the consumer stopped early (batch quota reached): close quietly
@@ -85,13 +137,17 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
     finally:
         close_error = None
         try:
+            if abandoned and hasattr(stream, "kill"):
+                stream.kill()
             stream.close()
         except OSError as e:  # a pipe command's exit status
             close_error = str(e)
-    if close_error is not None and not abandoned:
+    if abandoned:
+        return
+    if close_error is not None:
         stats.shard_problem("shards_failed", url, close_error)
         if problem is not None:
-            if current is not None and index % stride == offset:
+            if current is not None and wanted(index):
                 stats.add("samples_in")
                 stats.skip("truncated", f"{url}:{current['__key__']}")
             return
@@ -103,13 +159,26 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
             stats.shard_problem("shards_failed", url, f"not a readable tar ({problem})")
             return
         stats.shard_problem("shards_truncated", url, problem)
-        if current is not None and index % stride == offset:
+        if current is not None and wanted(index):
             # the sample being read when the stream broke may be incomplete: never use it
             stats.add("samples_in")
             stats.skip("truncated", f"{url}:{current['__key__']}")
         return
     if current is not None:
-        if index % stride == offset:
-            yield current
+        if wanted(index):
+            if oversized is not None:
+                _skip_oversized(stats, url, current, oversized)
+            else:
+                yield current
+        index += 1
     elif n_members == 0 and close_error is None:
         stats.shard_problem("shards_empty", url)
+        return
+    if expected is not None and close_error is None and (index < expected or (stop is None and index > expected)):
+        stats.shard_problem("shards_miscounted", url, f"{index} samples, but {expected_from} says {expected} "
+                            "(run `diffmm shards index` to rewrite it)")
+
+
+def _skip_oversized(stats: DataStats, url: str, sample: dict, why: str) -> None:
+    stats.add("samples_in")
+    stats.skip("oversized", f"{url}:{sample['__key__']}", why)

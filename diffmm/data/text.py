@@ -8,6 +8,7 @@ tail shorter than a row is dropped when the worker's stream ends.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Iterator, Sequence
 
@@ -17,6 +18,7 @@ from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
 
 TOKENS_FILE = "tokens.json"
+log = logging.getLogger("diffmm.data")
 
 
 def inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,18 +83,39 @@ class TextDataset(ShardStream):
 
     @property
     def samples_per_epoch(self) -> int:
-        """Rows per epoch over all ranks (explicit or from ``tokens.json``)."""
+        """Rows per epoch over all ranks (explicit, else from ``tokens.json``, which is written on
+        first use by tokenizing the shards once when it has no entry for this tokenizer)."""
         if self._samples_per_epoch is None:
             tokens = read_token_counts(self.urls, self.tokenizer.name)
             if tokens is None:
-                raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to the "
-                                 "shards; pass samples_per_epoch= (rows per epoch)")
+                tokens = self._count_tokens_once()
             self._samples_per_epoch = tokens // (self.seq_len + 1)
         return self._samples_per_epoch
 
-    def _items(self, samples: Iterator[dict]) -> Iterator[list[int]]:
+    def _count_tokens_once(self) -> int:
+        from diffmm.data.urls import is_local
+
+        if not all(is_local(u) for u in self.urls):
+            raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to the "
+                             "shards and they are not local files; pass samples_per_epoch= (rows per epoch)")
+        log.info("%s: no tokens.json entry for tokenizer %s: tokenizing %d shard(s) once to count tokens",
+                 self.name, self.tokenizer.name, len(self.urls))
+        counts = count_tokens(self.urls, self.tokenizer, progress=self.rank_world()[0] == 0)
+        by_dir: dict[str, dict[str, int]] = {}
+        for url in self.urls:
+            by_dir.setdefault(os.path.dirname(url), {})[os.path.basename(url)] = counts[os.path.basename(url)]
+        for directory, dir_counts in by_dir.items():
+            try:
+                write_token_counts(directory, self.tokenizer, dir_counts)
+            except OSError as e:  # read-only data: the count is used, just not kept
+                log.warning("%s: could not write tokens.json in %s (%s)", self.name, directory or ".", e)
+        return sum(counts.values())
+
+    def _keyed_items(self, samples: Iterator[dict]) -> Iterator[tuple[str, list[int]]]:
+        """Packed rows; a row's key is ``KEY:T``, the document and token offset where the row starts."""
         row_len = self.seq_len + 1
         buf: list[int] = []
+        docs: list[tuple[int, str]] = []   # (index in buf where a document starts, its key)
         skips = 0
         for sample in samples:
             self.stats.add("samples_in")
@@ -111,13 +134,17 @@ class TextDataset(ShardStream):
                 continue
             skips = 0
             self.stats.add("samples_out")
+            docs.append((len(buf), sample["__key__"]))
             buf.extend(self.tokenizer.encode(text))
             buf.append(self.tokenizer.eos_id)
             start = 0
             while len(buf) - start >= row_len:
-                yield buf[start:start + row_len]
+                while len(docs) > 1 and docs[1][0] <= start:
+                    docs.pop(0)
+                yield f"{docs[0][1]}:{start - docs[0][0]}", buf[start:start + row_len]
                 start += row_len
             del buf[:start]
+            docs = [(i - start, k) for i, k in docs]
 
     def _collate(self, items: list[list[int]]) -> torch.Tensor:
         return torch.tensor(items, dtype=torch.long)
@@ -129,14 +156,16 @@ def text_loader(urls: str | Sequence[str], batch_size: int, seq_len: int, num_wo
     return ShardLoader(TextDataset(urls, batch_size, seq_len, **dataset_kwargs), num_workers=num_workers)
 
 
-def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer) -> dict[str, int]:
+def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer, progress: bool = False) -> dict[str, int]:
     """Tokens (with one separator per document) of each shard, keyed by file name, for ``tokens.json``."""
+    from tqdm import tqdm
+
     from diffmm.data.stats import DataStats
     from diffmm.data.tar_reader import iter_tar_samples
 
     stats = DataStats("count-tokens")
     out: dict[str, int] = {}
-    for url in urls:
+    for url in tqdm(urls, desc="counting tokens", unit="shard", disable=not progress or len(urls) < 2):
         n = 0
         for sample in iter_tar_samples(url, stats):
             try:
@@ -148,13 +177,14 @@ def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer) -> dict[str, int]:
 
 
 def write_token_counts(directory: str, tokenizer: LMTokenizer, counts: dict[str, int]) -> str:
-    """Merge ``counts`` for ``tokenizer`` into ``directory/tokens.json``; returns its path."""
+    """Merge ``counts`` for ``tokenizer`` into ``directory/tokens.json`` (atomically); returns its path."""
+    from diffmm.data.sizes import write_json_atomic
+
     path = os.path.join(directory, TOKENS_FILE)
     data: dict = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    data[tokenizer.name] = counts
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+    data[tokenizer.name] = {**data.get(tokenizer.name, {}), **counts}
+    write_json_atomic(path, data)
     return path

@@ -2,14 +2,17 @@
 
 A *source spec* is one string or a list of strings. Inside a string, ``::`` separates
 sources (open_clip convention) and each source may use brace expansion, e.g.
-``"cc3m/{00000..00331}.tar::cc12m/{00000..01242}.tar"``. A source that starts with
+``"cc3m/{00000..00331}.tar::cc12m/{00000..01242}.tar"``, and, for local files, glob patterns
+(``"cc3m/*.tar"``, expanded after the braces and sorted). A source that starts with
 ``pipe:`` is a shell command whose stdout is the tar stream (object stores:
 ``pipe:aws s3 cp s3://bucket/{0..9}.tar -``).
 """
 from __future__ import annotations
 
-import json
+import glob
 import os
+import select
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import BinaryIO, Iterable, Sequence
@@ -57,9 +60,25 @@ def expand_sources(spec: str | Sequence[str], weights: Sequence[float] | None = 
         raise ValueError(f"source weights must be positive, got {weights}")
     sources = []
     for s, w in zip(specs, weights):
-        urls = tuple(braceexpand.braceexpand(s.strip()))
+        urls = tuple(u for pattern in braceexpand.braceexpand(s.strip()) for u in expand_glob(pattern))
         sources.append(Source(urls=urls, weight=w))
     return sources
+
+
+def _has_magic(url: str) -> bool:
+    return any(c in url for c in "*?[")
+
+
+def expand_glob(url: str) -> list[str]:
+    """A local url with ``*``, ``?`` or ``[...]`` -> the matching files, sorted; anything else as it is.
+
+    A pattern that matches nothing is returned unchanged, so the existence check names it.
+    """
+    if not is_local(url) or not _has_magic(url):
+        return [url]
+    prefix = "file://" if url.startswith("file://") else ""
+    found = sorted(glob.glob(local_path(url)))
+    return [prefix + f for f in found] if found else [url]
 
 
 def is_local(url: str) -> bool:
@@ -77,19 +96,51 @@ def check_shards_exist(urls: Iterable[str]) -> None:
     missing = [u for u in urls if is_local(u) and not os.path.exists(local_path(u))]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise FileNotFoundError(f"{len(missing)} shard(s) not found: {shown}")
+        hint = " (no file matches the pattern)" if any(_has_magic(u) for u in missing) else ""
+        raise FileNotFoundError(f"{len(missing)} shard(s) not found: {shown}{hint}")
 
 
 class PipeStream:
-    """Read the stdout of a shell command; ``close()`` raises ``OSError`` on a non-zero exit status."""
+    """Read the stdout of a shell command.
 
-    def __init__(self, command: str) -> None:
-        self.command = command
-        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ``read`` raises ``TimeoutError`` (an ``OSError``) when the command sends nothing for ``timeout``
+    seconds, and kills it; ``close()`` raises ``OSError`` on a non-zero exit status. The command runs
+    in its own process group, so ``kill()`` also ends the programs it started.
+    """
+
+    def __init__(self, command: str, timeout: float | None = None) -> None:
+        self.command, self.timeout = command, timeout
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         self.stdout = self.proc.stdout
+        self._fd = self.stdout.fileno()
+        self._killed = False
 
     def read(self, n: int = -1) -> bytes:
-        return self.stdout.read(n)
+        """Up to ``n`` bytes (fewer when that is what the command has sent so far; ``b""`` at the end)."""
+        if self.timeout is None:
+            return self.stdout.read(n)
+        if n < 0:
+            chunks = []
+            while chunk := self.read(1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        if n == 0:
+            return b""
+        ready, _, _ = select.select([self._fd], [], [], self.timeout)
+        if not ready:
+            self.kill()
+            raise TimeoutError(f"pipe command sent no data for {self.timeout:g} s (pipe_timeout): {self.command!r}")
+        return os.read(self._fd, n)
+
+    def kill(self) -> None:
+        """End the command (and its children) now."""
+        if self.proc.poll() is None:
+            self._killed = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
 
     def close(self) -> None:
         self.stdout.close()
@@ -97,14 +148,17 @@ class PipeStream:
         err = self.proc.stderr.read().decode("utf-8", "replace").strip() if self.proc.stderr else ""
         if self.proc.stderr:
             self.proc.stderr.close()
-        if rc != 0:
+        if rc != 0 and not self._killed:
             raise OSError(f"pipe command exited with status {rc}: {self.command!r} {err[:200]}")
 
 
-def open_shard(url: str) -> BinaryIO:
-    """Open a shard url for streaming reads (local path, ``pipe:cmd`` or any url ``webdataset.gopen`` knows)."""
+def open_shard(url: str, timeout: float | None = None) -> BinaryIO:
+    """Open a shard url for streaming reads (local path, ``pipe:cmd`` or any url ``webdataset.gopen`` knows).
+
+    ``timeout``: seconds a ``pipe:`` command may stay silent before it is killed (``None``: no limit).
+    """
     if url.startswith("pipe:"):
-        return PipeStream(url[len("pipe:"):])  # type: ignore[return-value]
+        return PipeStream(url[len("pipe:"):], timeout)  # type: ignore[return-value]
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
     import webdataset
@@ -113,24 +167,13 @@ def open_shard(url: str) -> BinaryIO:
 
 
 def read_sizes(urls: Sequence[str]) -> int:
-    """Total sample count of ``urls`` from the ``sizes.json`` next to each shard.
+    """Total sample count of ``urls``: ``sizes.json`` next to each shard, img2dataset's ``*_stats.json``,
+    or counted once and cached (see :mod:`diffmm.data.sizes`).
 
-    ``sizes.json`` maps a shard's file name to its number of samples (the img2dataset and
-    open_clip convention). Raises ``FileNotFoundError``/``KeyError`` naming the file or shard.
+    Raises:
+        ValueError: a ``pipe:`` or remote url (pass the epoch size explicitly).
+        FileNotFoundError: a missing shard.
     """
-    cache: dict[str, dict] = {}
-    total = 0
-    for url in urls:
-        if url.startswith("pipe:"):
-            raise ValueError(f"cannot read sizes.json for pipe: url {url!r}; pass the epoch size explicitly")
-        directory, name = os.path.split(local_path(url))
-        path = os.path.join(directory, SIZES_FILE)
-        if path not in cache:
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"{path} not found (needed for the length of {url}); pass the epoch size explicitly")
-            with open(path) as f:
-                cache[path] = json.load(f)
-        if name not in cache[path]:
-            raise KeyError(f"{path} has no entry for shard {name!r}")
-        total += int(cache[path][name])
-    return total
+    from diffmm.data.sizes import total_samples
+
+    return total_samples(urls)

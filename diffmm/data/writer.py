@@ -1,15 +1,19 @@
-"""Write webdataset tar shards with reproducible bytes and a ``sizes.json``."""
+"""Write webdataset tar shards with reproducible bytes and a ``sizes.json``, replacing old shards only on success."""
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
 import re
+import shutil
 import tarfile
+import tempfile
 
 from diffmm.data.urls import SIZES_FILE
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
+_TMP_TAG = "-writing-"
 
 
 def sanitize_key(text: str) -> str:
@@ -18,17 +22,33 @@ def sanitize_key(text: str) -> str:
     return key or "_"
 
 
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is a plain file name prefix, else raise a one-line ``ValueError``.
+
+    Shards always go into the output folder: a prefix with a path separator or ``..`` could
+    write (and, on a rerun, delete) files elsewhere.
+    """
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if not prefix or any(s in prefix for s in seps) or ".." in prefix or "\0" in prefix:
+        raise ValueError(f"--prefix {prefix!r} must be a plain file name prefix (no '/', '\\' or '..'); "
+                         "shards always go into the output folder")
+    return prefix
+
+
 class ShardWriter:
     """Write samples into ``{directory}/{prefix}-{index:06d}.tar``, starting a new shard at ``maxcount``
     samples or ``maxsize`` bytes, and record per-shard counts in ``{directory}/sizes.json``.
 
-    Existing ``{prefix}-NNNNNN.tar`` files in ``directory`` are deleted first (a rerun replaces them).
+    Shards are written into a hidden temporary folder inside ``directory`` and moved into place by
+    :meth:`close` (the ``with`` block's successful end): only then are old ``{prefix}-NNNNNN.tar``
+    files that the new set does not overwrite deleted and ``sizes.json`` updated. If the block
+    raises, :meth:`abort` removes the temporary folder and the old shards stay as they were.
     Tar members get fixed metadata (mtime 0, uid/gid 0, mode 0644), so the same samples in the same
     order give byte-identical shards.
 
     Args:
         directory: output folder (created).
-        prefix: shard file name prefix.
+        prefix: shard file name prefix (a plain name: no path separators or ``..``).
         maxcount: most samples per shard.
         maxsize: most bytes per shard (a shard holds at least one sample).
     """
@@ -36,27 +56,26 @@ class ShardWriter:
     def __init__(self, directory: str, prefix: str = "shard", maxcount: int = 10000, maxsize: int = 1 << 30) -> None:
         if maxcount < 1 or maxsize < 1:
             raise ValueError(f"maxcount and maxsize must be >= 1, got {maxcount}, {maxsize}")
+        check_prefix(prefix)
         os.makedirs(directory, exist_ok=True)
         self.directory, self.prefix = directory, prefix
         self.maxcount, self.maxsize = maxcount, maxsize
         self.sizes: dict[str, int] = {}
-        self.shards: list[str] = []
+        self.shards: list[str] = []   # final paths (they exist once close() has run)
         self._tar: tarfile.TarFile | None = None
         self._count = 0
         self._bytes = 0
         self._keys: set[str] = set()
         self.total = 0
         self._stale = re.compile(re.escape(prefix) + r"-\d{6}\.tar$")
-        for name in os.listdir(directory):  # a rerun replaces the shards of an earlier one
-            if self._stale.match(name):
-                os.remove(os.path.join(directory, name))
+        self._tmpdir: str | None = tempfile.mkdtemp(prefix=f".{prefix}{_TMP_TAG}", dir=directory)
+        self._closed = False
 
     def _open_next(self) -> None:
         self._close_current()
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
-        path = os.path.join(self.directory, name)
-        self._tar = tarfile.open(path, "w", format=tarfile.USTAR_FORMAT)
-        self.shards.append(path)
+        self._tar = tarfile.open(os.path.join(self._tmpdir, name), "w", format=tarfile.USTAR_FORMAT)
+        self.shards.append(os.path.join(self.directory, name))
         self.sizes[name] = 0
         self._count = 0
         self._bytes = 0
@@ -72,6 +91,8 @@ class ShardWriter:
         Raises:
             ValueError: bad or duplicate key, or a field name with a dot.
         """
+        if self._closed:
+            raise ValueError("ShardWriter is closed")
         if not _KEY_RE.match(key):
             raise ValueError(f"sample key {key!r} must match {_KEY_RE.pattern} (no dots); use sanitize_key()")
         if key in self._keys:
@@ -94,8 +115,21 @@ class ShardWriter:
         self.total += 1
 
     def close(self) -> dict[str, int]:
-        """Close the last shard and merge the counts into ``sizes.json``; returns this writer's counts."""
+        """Move the new shards into place, delete the old ones of this prefix, merge ``sizes.json``.
+
+        Returns this writer's counts (shard file name -> samples).
+        """
+        if self._closed:
+            return dict(self.sizes)
         self._close_current()
+        for path in self.shards:
+            os.replace(os.path.join(self._tmpdir, os.path.basename(path)), path)
+        new = set(self.sizes)
+        for name in os.listdir(self.directory):  # a rerun replaces the shards of an earlier one
+            if self._stale.match(name) and name not in new:
+                os.remove(os.path.join(self.directory, name))
+        from diffmm.data.sizes import write_json_atomic
+
         path = os.path.join(self.directory, SIZES_FILE)
         sizes: dict[str, int] = {}
         if os.path.exists(path):
@@ -103,13 +137,33 @@ class ShardWriter:
                 sizes = json.load(f)
         sizes = {k: v for k, v in sizes.items() if not self._stale.match(k)}
         sizes.update(self.sizes)
-        with open(path, "w") as f:
-            json.dump(sizes, f, indent=1, sort_keys=True)
+        write_json_atomic(path, sizes)
+        self._remove_tmp()
+        for leftover in glob.glob(os.path.join(glob.escape(self.directory), f".{glob.escape(self.prefix)}{_TMP_TAG}*")):
+            shutil.rmtree(leftover, ignore_errors=True)  # from a writer that was killed
+        self._closed = True
         return dict(self.sizes)
+
+    def abort(self) -> None:
+        """Drop what was written; the output folder keeps its old shards and ``sizes.json``."""
+        if self._closed:
+            return
+        try:
+            self._close_current()
+        except Exception:
+            pass
+        self._remove_tmp()
+        self.shards, self.sizes, self.total = [], {}, 0
+        self._closed = True
+
+    def _remove_tmp(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
 
     @property
     def pattern(self) -> str:
-        """Brace pattern of the shards written so far (``dir/prefix-{000000..000003}.tar``)."""
+        """Brace pattern of the shards written (``dir/prefix-{000000..000003}.tar``)."""
         if not self.shards:
             return ""
         last = len(self.shards) - 1
@@ -120,5 +174,8 @@ class ShardWriter:
     def __enter__(self) -> "ShardWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -30,7 +30,8 @@ class DataStatsMonitor(pl.Callback):
         metrics = {f"data_{stage}/samples_in": counts.get("samples_in", 0),
                    f"data_{stage}/samples_out": counts.get("samples_out", 0), f"data_{stage}/skipped": skipped}
         metrics.update({f"data_{stage}/{k}": v for k, v in counts.items()
-                        if v and (k.startswith("skip_") or k in ("shards_failed", "shards_truncated", "shards_empty"))})
+                        if v and (k.startswith("skip_") or k in ("shards_failed", "shards_truncated", "shards_empty",
+                                                                 "shards_miscounted", "samples_reread"))})
         for logger in trainer.loggers:
             logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
 
@@ -47,7 +48,8 @@ class PredictionWriter(BasePredictionWriter):
 
     Each file holds a dict of tensors concatenated over batches (e.g. ``image_features``,
     ``text_features`` for CLIP; ``nll``, ``next_token_accuracy`` for LMs); the per-batch
-    ``similarity`` matrices of CLIP are kept as a list.
+    ``similarity`` matrices of CLIP are kept as a list; ``keys`` (when the data module provides
+    ``predict_keys()``) lists the sample key of every row, in the same order.
 
     Args:
         output_dir: folder; default: the trainer's log dir (or ``default_root_dir``).
@@ -67,6 +69,10 @@ class PredictionWriter(BasePredictionWriter):
         for key in preds[0]:
             values = [p[key] for p in preds]
             out[key] = values if key == "similarity" else torch.cat(values)
+        keys = getattr(trainer.datamodule, "predict_keys", None) if trainer.datamodule is not None else None
+        if callable(keys):
+            rows = next((v.shape[0] for v in out.values() if torch.is_tensor(v) and v.dim() > 0), None)
+            out["keys"] = keys()[:rows]
         folder = self.output_dir or trainer.log_dir or trainer.default_root_dir
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"predictions_rank{trainer.global_rank}.pt")

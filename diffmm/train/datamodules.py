@@ -2,8 +2,10 @@
 
 The tokenizer, context length and image size are linked from the model by the CLI
 (``diffmm.train.cli``), so a config names them once. Training loaders are
-:class:`~diffmm.train.resume.ResumableLoader`\\ s: their position (epoch, batches consumed) is
-saved in every checkpoint and restored by ``fit --ckpt_path``.
+:class:`~diffmm.train.resume.ResumableLoader`\\ s: Lightning saves their position (epoch, batches
+consumed) in every checkpoint through the stateful-dataloader protocol and ``fit --ckpt_path``
+restores it. Shards need no ``sizes.json``: they are counted once and cached
+(:mod:`diffmm.data.sizes`).
 """
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
+from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT
 from diffmm.train.errors import ConfigError
 from diffmm.train.resume import ResumableLoader
 
 log = logging.getLogger("diffmm.train")
 
 STAGES = ("train", "val", "test", "predict")
+#: Pillow's decompression-bomb threshold (``diffmm.data.image_text.MAX_IMAGE_PIXELS``), without importing PIL here
+MAX_IMAGE_PIXELS = 89_478_485
 
 
 def check_shard_spec(spec: Optional[str], key: str) -> None:
@@ -39,10 +44,12 @@ class ShardDataModule(pl.LightningDataModule):
     def __init__(self, train_shards: Optional[str], val_shards: Optional[str], test_shards: Optional[str],
                  predict_shards: Optional[str], batch_size: int, val_batch_size: Optional[int], num_workers: int,
                  seed: int, resampled: bool, samples_per_epoch: Optional[int], train_weights: Optional[list[float]],
-                 shuffle_buffer: int, val_samples: Optional[int]) -> None:
+                 shuffle_buffer: int, val_samples: Optional[int], max_member_bytes: Optional[int] = None,
+                 pipe_timeout: Optional[float] = None) -> None:
         super().__init__()
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards or val_shards,
                        "predict": predict_shards or val_shards}
+        self._own_shards = {"test": bool(test_shards), "predict": bool(predict_shards)}
         for key, spec in (("train_shards", train_shards), ("val_shards", val_shards), ("test_shards", test_shards),
                           ("predict_shards", predict_shards)):
             check_shard_spec(spec, f"data.{key}")
@@ -52,8 +59,10 @@ class ShardDataModule(pl.LightningDataModule):
         self.num_workers, self.seed = num_workers, seed
         self.resampled, self.samples_per_epoch, self.train_weights = resampled, samples_per_epoch, train_weights
         self.shuffle_buffer, self.val_samples = shuffle_buffer, val_samples
+        self.read_kwargs: dict[str, Any] = {"max_member_bytes": max_member_bytes, "pipe_timeout": pipe_timeout}
         self._loaders: dict[str, ResumableLoader] = {}
         self._restored: Optional[dict] = None
+        self._said_fallback: set[str] = set()
 
     # ----- subclass hooks -----------------------------------------------------------------------
     def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
@@ -90,20 +99,36 @@ class ShardDataModule(pl.LightningDataModule):
             ds = self.make_dataset(spec, True, self.batch_size, resampled=self.resampled,
                                    samples_per_epoch=self.samples_per_epoch, weights=self.train_weights,
                                    shuffle_buffer=self.shuffle_buffer, seed=self.seed, rank=rank, world_size=world,
-                                   name=f"{stage}-data")
+                                   name=f"{stage}-data", **self.read_kwargs)
         else:
             kwargs: dict[str, Any] = dict(shuffle=False, equalize=self.eval_equalize(), rank=rank, world_size=world,
-                                          name=f"{stage}-data")
+                                          name=f"{stage}-data", **self.read_kwargs)
             if self.val_samples is not None:
                 kwargs["samples_per_epoch"] = self.val_samples
+            if stage == "predict":  # predictions carry the sample keys, and every sample is predicted
+                kwargs["equalize"] = False
             ds = self.make_dataset(spec, False, self.val_batch_size, **kwargs)
-        loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
-                                 default_epoch=self._trainer_epoch if train else (lambda: 0))
+            ds.with_keys = stage == "predict"
+        if train:
+            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
+                                     default_epoch=self._trainer_epoch, position=self._train_position,
+                                     signature=self._signature)
+        else:
+            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
+                                     default_epoch=lambda: 0)
         if train and self._restored is not None:
             self._apply_position(loader, self._restored)
             self._restored = None
         self._loaders[stage] = loader
         return loader
+
+    def _say_fallback(self, stage: str) -> None:
+        """One info line when test/predict read the validation shards because their own are not set."""
+        if stage not in self._said_fallback and not self._own_shards[stage] and self.shards[stage]:
+            self._said_fallback.add(stage)
+            if self._world()[0] == 0:
+                log.info("%s: data.%s_shards is not set; using the validation shards (data.val_shards: %s)",
+                         stage, stage, self.shards[stage])
 
     def train_dataloader(self):
         if not self.shards["train"]:
@@ -116,12 +141,20 @@ class ShardDataModule(pl.LightningDataModule):
     def test_dataloader(self):
         if not self.shards["test"]:
             raise ConfigError("data.test_shards (or data.val_shards) is not set; test needs shards")
+        self._say_fallback("test")
         return self._loader("test")
 
     def predict_dataloader(self):
         if not self.shards["predict"]:
             raise ConfigError("data.predict_shards (or data.val_shards) is not set; predict needs shards")
+        self._say_fallback("predict")
         return self._loader("predict")
+
+    def predict_keys(self) -> list[str]:
+        """Sample keys of the rows ``predict`` has read so far on this rank, in prediction order
+        (image-text: the shard sample key; LM rows: ``KEY:T``, the document and token where the row starts)."""
+        loader = self._loaders.get("predict")
+        return list(loader.keys) if loader is not None else []
 
     def data_stats(self, stage: str = "train"):
         """The :class:`~diffmm.data.stats.DataStats` of a stage's stream (None before it exists)."""
@@ -133,31 +166,29 @@ class ShardDataModule(pl.LightningDataModule):
         return {"train_shards": self.shards["train"], "batch_size": self.batch_size, "seed": self.seed,
                 "world_size": self._world()[1], "num_workers": self.num_workers, "resampled": self.resampled}
 
-    def state_dict(self) -> dict:
-        """``{"epoch", "batches", ...}``: where the training stream stands (saved in checkpoints)."""
-        loader = self._loaders.get("train")
-        if loader is None or self.trainer is None or loader.epoch < 0:
-            return {}
+    def _train_position(self) -> dict:
+        """``{"epoch", "batches", "epoch_batches"}`` of the training stream from the trainer's progress."""
+        loader = self._loaders["train"]
+        if self.trainer is None:
+            return {"epoch": loader.epoch, "batches": loader._yielded}
         done = int(self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         total = self.trainer.num_training_batches
         epoch, batches = (loader.epoch + 1, 0) if done >= total else (loader.epoch, done)
-        return {"epoch": epoch, "batches": batches, "epoch_batches": total, **self._signature()}
+        return {"epoch": epoch, "batches": batches, "epoch_batches": total}
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
+        """Restore a data position that older checkpoints kept in the data module's own state (newer
+        ones keep it in the training loader's state, see :class:`~diffmm.train.resume.ResumableLoader`)."""
+        if not state or "epoch" not in state:
             return
-        changed = {k: (state[k], v) for k, v in self._signature().items() if k in state and state[k] != v}
-        if changed:
-            log.warning("resume: data settings changed since the checkpoint (%s); the data position is approximate",
-                        ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
         if "train" in self._loaders:
-            self._apply_position(self._loaders["train"], state)
+            self._loaders["train"].load_state_dict(state)
         else:
             self._restored = state
 
     @staticmethod
     def _apply_position(loader: ResumableLoader, state: dict) -> None:
-        loader.set_position(state["epoch"], state["batches"])
+        loader.load_state_dict(state)
 
 
 class ImageTextDataModule(ShardDataModule):
@@ -179,6 +210,12 @@ class ImageTextDataModule(ShardDataModule):
         image_size, context_length, tokenizer: linked from the model by the CLI.
         crop_scale: RandomResizedCrop area range (DiffCLIP: 0.5-1.0).
         text_field: caption extension in the shards.
+        max_member_bytes: skip samples with a tar member larger than this, without reading it
+            (default 64 MiB; ``null``: no cap).
+        max_image_pixels: skip images with more pixels than this (default: Pillow's
+            decompression-bomb threshold, 89,478,485; ``null``: no cap).
+        pipe_timeout: seconds a ``pipe:`` shard command may send nothing before it is killed and
+            the shard counted as failed (default 120; ``null``: wait forever).
     """
 
     def __init__(self, train_shards: Optional[str] = None, val_shards: Optional[str] = None,
@@ -187,9 +224,13 @@ class ImageTextDataModule(ShardDataModule):
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
                  shuffle_buffer: int = 1000, val_samples: Optional[int] = None, image_size: Optional[int] = 224,
                  context_length: Optional[int] = 77, tokenizer: Optional[str] = "clip",
-                 crop_scale: tuple[float, float] = (0.5, 1.0), text_field: str = "txt") -> None:
+                 crop_scale: tuple[float, float] = (0.5, 1.0), text_field: str = "txt",
+                 max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, max_image_pixels: Optional[int] = MAX_IMAGE_PIXELS,
+                 pipe_timeout: Optional[float] = PIPE_TIMEOUT) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
-                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples)
+                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,
+                         max_member_bytes, pipe_timeout)
+        self.max_image_pixels = max_image_pixels
         if tokenizer not in (None, "clip", "clip-bpe"):
             raise ConfigError(f"data.tokenizer {tokenizer!r}: image-text training uses the CLIP BPE ('clip')")
         self.image_size, self.context_length = image_size or 224, context_length or 77
@@ -201,7 +242,8 @@ class ImageTextDataModule(ShardDataModule):
 
         transform = image_transform(self.image_size, train=train, scale=self.crop_scale)
         return ImageTextDataset(urls, batch_size, transform=transform, context_length=self.context_length,
-                                train=train, text_field=self.text_field, **kwargs)
+                                train=train, text_field=self.text_field, max_image_pixels=self.max_image_pixels,
+                                **kwargs)
 
 
 class TextDataModule(ShardDataModule):
@@ -214,6 +256,7 @@ class TextDataModule(ShardDataModule):
         context_length: model sequence length (linked from the model).
         tokenizer: ``clip`` or a ``tokenizer.json`` path (linked from the model).
         text_field: document extension in the shards.
+        max_member_bytes, pipe_timeout: as in :class:`ImageTextDataModule`.
 
     Evaluation streams always cut an equal number of rows per rank (from ``tokens.json``).
     """
@@ -223,9 +266,11 @@ class TextDataModule(ShardDataModule):
                  val_batch_size: Optional[int] = None, num_workers: int = 1, seed: int = 0, resampled: bool = False,
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
                  shuffle_buffer: int = 100, val_samples: Optional[int] = None, context_length: Optional[int] = 128,
-                 tokenizer: Optional[str] = "clip", text_field: str = "txt") -> None:
+                 tokenizer: Optional[str] = "clip", text_field: str = "txt",
+                 max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, pipe_timeout: Optional[float] = PIPE_TIMEOUT) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
-                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples)
+                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,
+                         max_member_bytes, pipe_timeout)
         self.context_length = context_length or 128
         self.tokenizer_spec = tokenizer or "clip"
         self.text_field = text_field

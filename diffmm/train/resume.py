@@ -6,8 +6,12 @@ and, with :class:`ResumableLoader`, the random image augmentations too (the Data
 seeds, or in-process the torch RNG, are derived from the same numbers). The position is then
 ``(epoch, batches consumed in that epoch)``:
 
-* saved in every checkpoint by the data module (``state_dict``), with the batch count taken from
-  the trainer's progress (the loader itself runs ahead because Lightning prefetches),
+* saved in every checkpoint through Lightning's stateful-dataloader protocol: Lightning calls the
+  training loader's ``state_dict()`` when it saves (stored under the fit loop's
+  ``combined_loader`` state) and ``load_state_dict()`` when ``fit --ckpt_path`` restores it, so it
+  also knows the loader is resumable mid-epoch. The batch count comes from the trainer's progress
+  (the data module passes it in as ``position``), because the loader itself runs ahead while
+  Lightning prefetches,
 * restored by replaying the epoch and dropping the consumed batches (``load_state_dict`` then
   the next ``iter``). The replay costs reading and decoding those batches again, about the time
   the data loader needs for them, not the training step.
@@ -37,16 +41,52 @@ class ResumableLoader:
         rank: this process's rank (mixed into the augmentation seed).
         default_epoch: called at ``iter()`` time when no position was restored; returns the epoch
             to run (the data module passes the trainer's epoch).
+        position: called by :meth:`state_dict`; returns ``{"epoch", "batches"}`` (batches consumed;
+            the data module passes the trainer's progress, plus ``epoch_batches``); default: what
+            this loader has yielded.
+        signature: called by :meth:`state_dict`; settings that must match on resume (shards, batch
+            size, world size, workers, seed), compared by :meth:`load_state_dict`.
     """
 
     def __init__(self, loader: Any, seed: int = 0, rank: int = 0,
-                 default_epoch: Optional[Callable[[], int]] = None) -> None:
+                 default_epoch: Optional[Callable[[], int]] = None,
+                 position: Optional[Callable[[], dict]] = None,
+                 signature: Optional[Callable[[], dict]] = None) -> None:
         self.loader = loader
         self.seed, self.rank = seed, rank
         self.default_epoch = default_epoch
+        self.position, self.signature = position, signature
         self.epoch: int = -1          # epoch of the current / last iteration
+        self._yielded = 0             # batches yielded (after the replay) in the current epoch
         self._pending: Optional[tuple[int, int]] = None  # (epoch, batches to skip) restored from a checkpoint
         self.skipped_on_resume = 0
+        #: sample keys of the rows yielded this epoch, when the dataset emits ``(batch, keys)`` (``with_keys``)
+        self.keys: list[str] = []
+
+    # ----- Lightning's stateful-dataloader protocol -------------------------------------------
+    def state_dict(self) -> dict:
+        """``{"epoch", "batches", ...signature}``: where the stream stands; ``{}`` before the first epoch."""
+        if self._pending is not None and self.epoch < 0:  # restored but not iterated yet: keep that position
+            pos = {"epoch": self._pending[0], "batches": self._pending[1]}
+        elif self.epoch < 0:
+            return {}
+        elif self.position is not None:
+            pos = self.position()
+        else:
+            pos = {"epoch": self.epoch, "batches": self._yielded}
+        return {**pos, **(self.signature() if self.signature else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state`` (from :meth:`state_dict`) with the next ``iter()``; warns if settings changed."""
+        if not state:
+            return
+        if self.signature is not None:
+            now = self.signature()
+            changed = {k: (state[k], v) for k, v in now.items() if k in state and state[k] != v}
+            if changed:
+                log.warning("resume: data settings changed since the checkpoint (%s); the data position is "
+                            "approximate", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
+        self.set_position(state["epoch"], state["batches"])
 
     # ----- Lightning's iterable protocol ------------------------------------------------------
     def __len__(self) -> int:
@@ -72,6 +112,7 @@ class ResumableLoader:
             epoch = self.default_epoch() if self.default_epoch is not None else self.epoch + 1
             skip = 0
         self.epoch = epoch
+        self._yielded = skip
         return epoch, skip
 
     def _iterate(self) -> Iterator[Any]:
@@ -83,6 +124,8 @@ class ResumableLoader:
             self.loader.generator = torch.Generator().manual_seed(aug_seed)
         rng_state = torch.Generator().manual_seed(aug_seed).get_state() if in_process else None
         self.loader.set_epoch(epoch)
+        keyed = bool(getattr(self.dataset, "with_keys", False))
+        self.keys = []
         it = iter(self.loader)
         n = 0
         while True:
@@ -102,11 +145,16 @@ class ResumableLoader:
                 except StopIteration:
                     break
             n += 1
+            if keyed:
+                batch, keys = batch
             if n <= skip:
                 continue
+            if keyed:
+                self.keys.extend(keys)
             if n == skip + 1 and skip:
                 self.skipped_on_resume = skip
                 log.info("resumed data at epoch %d after %d batches (replayed and dropped)", epoch, skip)
+            self._yielded = n
             yield batch
         if n < skip:  # only when the data changed between save and resume
             warnings.warn(f"resume: epoch {epoch} has {n} batches, fewer than the {skip} already consumed", stacklevel=2)

@@ -118,3 +118,151 @@ def test_pickled_dataset_keeps_the_main_process_rank(id_shards, monkeypatch):
     assert worker_copy.rank_world() == (1, 2)
     with pytest.raises(RuntimeError, match="rank is unknown"):
         ds.rank_world()                          # without the snapshot the rank would be lost
+
+
+# ----- exact epochs: every sample at most once over ranks x workers, < one global batch left out ----
+def _epoch_ids(pattern, world, workers, batch, epoch=0, context=None, **kw):
+    """Ids per rank for one epoch, and each rank's (batches yielded, len(loader))."""
+    per_rank, counts = [], []
+    for rank in range(world):
+        loader = _loader(pattern, rank, world, num_workers=workers, batch_size=batch, train=True,
+                         multiprocessing_context=context if workers else None, **kw)
+        loader.set_epoch(epoch)
+        ids, n = collect(loader)
+        per_rank.append(ids)
+        counts.append((n, len(loader)))
+    return per_rank, counts
+
+
+def collect(loader):
+    ids, n = [], 0
+    for _, tokens in loader:
+        ids += tokens[:, 0].tolist()
+        n += 1
+    return ids, n
+
+
+def _assert_exact(per_rank, counts, n_samples, world, batch):
+    flat = [i for ids in per_rank for i in ids]
+    assert len(flat) == len(set(flat)), f"{len(flat) - len(set(flat))} samples seen twice"
+    assert n_samples - len(flat) < world * batch, f"{n_samples - len(flat)} samples left out"
+    expected = n_samples // (world * batch)
+    assert counts == [(expected, expected)] * world, counts   # equal batch counts: DDP cannot hang
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_issue_case_two_ranks_two_workers_batch_4_over_24_samples(tmp_path, dh, context):
+    pattern, ids = dh.write_id_shards(str(tmp_path), [6, 6, 6, 6])
+    per_rank, counts = _epoch_ids(pattern, 2, 2, 4, context=context)
+    _assert_exact(per_rank, counts, len(ids), 2, 4)
+    assert sorted(i for r in per_rank for i in r) == ids        # 24 = 3 global batches: nothing left out
+
+
+@pytest.mark.parametrize("sizes,world,workers,batch", [
+    ([5, 9, 3, 11, 6, 8], 2, 3, 3),      # uneven shards, 6 global workers
+    ([1, 9, 3, 17, 2], 2, 2, 3),         # very uneven
+    ([23], 2, 2, 4),                     # one shard shared by 4 workers
+    ([7, 5], 3, 2, 2),                   # fewer shards than workers, odd world size
+    ([3] * 10, 2, 2, 5),                 # many small shards, remainder left out
+    ([13, 0, 4], 2, 1, 3),               # an empty shard in the middle
+])
+def test_exact_epochs_with_uneven_shard_and_worker_splits(tmp_path, dh, sizes, world, workers, batch):
+    import tarfile
+
+    pattern, ids = dh.write_id_shards(str(tmp_path), sizes)
+    for k, n in enumerate(sizes):
+        if n == 0:   # the writer makes no file for no samples: an empty tar, and no sizes.json entry (counted)
+            tarfile.open(tmp_path / f"s{k:02d}-000000.tar", "w").close()
+    seen_orders = []
+    for epoch in (0, 1):
+        per_rank, counts = _epoch_ids(pattern, world, workers, batch, epoch=epoch)
+        _assert_exact(per_rank, counts, len(ids), world, batch)
+        seen_orders.append(per_rank)
+    assert seen_orders[0] != seen_orders[1]                    # a new order every epoch
+
+
+@pytest.mark.slow  # 6 spawned workers import torch: ~20 s on a quiet 2-core machine
+def test_exact_epochs_under_spawn_with_uneven_splits(tmp_path, dh):
+    pattern, ids = dh.write_id_shards(str(tmp_path), [5, 9, 3, 11, 6, 8])
+    per_rank, counts = _epoch_ids(pattern, 2, 3, 3, context="spawn")
+    _assert_exact(per_rank, counts, len(ids), 2, 3)
+
+
+def test_plan_ranges_partitions_the_samples_by_quota():
+    from diffmm.data.dist import plan_ranges
+
+    sizes = [5, 9, 3, 11, 0, 6, 8]
+    urls = [f"s{i}" for i in range(len(sizes))]
+    for weights in ([2, 2, 1, 1], [1] * 6, [3, 0, 2], [1] * 13):
+        plans = plan_ranges(urls, sizes, weights)
+        owners = {}
+        for g, plan in enumerate(plans):
+            n = 0
+            for sl in plan:
+                for i in range(sl.start, sl.stop):
+                    assert (sl.url, i) not in owners
+                    owners[(sl.url, i)] = g
+                n += sl.stop - sl.start
+            assert n >= weights[g] * (sum(sizes) // sum(weights))   # enough for its batch quota
+        assert len(owners) == sum(sizes)
+        assert any(sl.url == "s4" for plan in plans for sl in plan)  # the empty shard is still checked
+
+
+def test_overstated_sizes_json_is_reported_and_the_epoch_stays_valid(tmp_path, dh, caplog):
+    import json
+    import os
+
+    pattern, ids = dh.write_id_shards(str(tmp_path), [6, 6, 6, 6])
+    sizes = json.load(open(os.path.join(tmp_path, "sizes.json")))
+    sizes["s01-000000.tar"] = 9                                      # really 6: 27 stated, 24 real
+    json.dump(sizes, open(os.path.join(tmp_path, "sizes.json"), "w"))
+    per_rank, counts = [], []
+    stats = []
+    for rank in range(2):
+        loader = _loader(pattern, rank, 2, num_workers=0, batch_size=4, train=True)   # in-process: caplog sees logs
+        got, n = collect(loader)
+        per_rank.append(got)
+        counts.append(n)
+        stats.append(loader.dataset.stats.snapshot())
+    assert counts == [3, 3]                                          # 27 // 8, equal: no hang
+    assert sum(s["shards_miscounted"] for s in stats) >= 1           # once per read of the short end
+    warnings = [r.getMessage() for r in caplog.records if "miscounted" in r.getMessage()]
+    assert warnings and all("s01-000000.tar: 6 samples, but" in w and "says 9" in w for w in warnings)
+    flat = [i for r in per_rank for i in r]
+    assert set(flat) <= set(ids) and len(flat) == 24
+    assert sum(s["samples_reread"] for s in stats) >= len(flat) - len(set(flat))
+
+
+def test_understated_sizes_json_is_reported(tmp_path, dh, caplog):
+    import json
+    import os
+
+    pattern, ids = dh.write_id_shards(str(tmp_path), [6, 6])
+    sizes = json.load(open(os.path.join(tmp_path, "sizes.json")))
+    sizes["s00-000000.tar"] = 4
+    json.dump(sizes, open(os.path.join(tmp_path, "sizes.json"), "w"))
+    loader = _loader(pattern, 0, 1, num_workers=0, batch_size=2, train=True)
+    got, n = collect(loader)
+    assert n == 5 and len(set(got)) == 10
+    assert loader.dataset.stats.snapshot()["shards_miscounted"] == 1
+    assert any("more samples than the 4" in r.getMessage() for r in caplog.records)
+
+
+def test_skipped_samples_are_topped_up_without_breaking_equal_counts(tmp_path, dh):
+    from diffmm.data.writer import ShardWriter
+
+    i = 0
+    for s in range(4):
+        with ShardWriter(str(tmp_path), f"s{s:02d}") as w:
+            for k in range(6):
+                w.write(f"{i:06d}", {"png": b"broken" if k == 0 else dh.png_bytes(i), "txt": str(i)})
+                i += 1
+    pattern = str(tmp_path / "s{00..03}-000000.tar")
+    counts = []
+    for rank in range(2):
+        loader = _loader(pattern, rank, 2, num_workers=2, batch_size=4, train=True)
+        _, n = collect(loader)
+        counts.append(n)
+        snap = loader.dataset.stats.snapshot()
+        assert snap["skip_corrupt_image"] >= 2 and snap["samples_reread"] > 0
+    assert counts == [3, 3]

@@ -71,10 +71,17 @@ def test_tokens_json_gives_the_epoch_and_ranks_get_equal_batches(tmp_path):
     assert counts[0] == counts[1] == (total // 16) // 6
 
 
-def test_missing_epoch_size_is_a_clear_error(tmp_path):
+def test_missing_tokens_json_is_counted_once_and_written(tmp_path):
+    import json
+
     w = write_docs(str(tmp_path), DOCS)
-    with pytest.raises(ValueError, match="samples_per_epoch"):
-        len(TextDataset(w.pattern, 2, seq_len=4, tokenizer=CharTokenizer(), train=True))
+    tok = CharTokenizer()
+    n = len(TextDataset(w.pattern, 2, seq_len=4, tokenizer=tok, train=True))
+    total = sum(len(d.encode()) + 1 for d in DOCS)
+    assert n == (total // 5) // 2
+    assert sum(json.load(open(tmp_path / "tokens.json"))[tok.name].values()) == total
+    with pytest.raises(ValueError, match="samples_per_epoch"):   # not local: cannot be counted up front
+        len(TextDataset(f"pipe:cat {w.shards[0]}", 2, seq_len=4, tokenizer=CharTokenizer(), train=True))
 
 
 def test_byte_level_bpe_trains_saves_and_reloads(tmp_path):

@@ -29,7 +29,9 @@ def test_lm_fit_validate_predict(tmp_path, text_data):
     assert series(rows, "lambda/blocks.0.attn"), "lambda was logged"
     ckpt = os.path.join(root, "checkpoints", "last.ckpt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    pos = state["TextDataModule"]  # data position: 30 steps = whole epochs + batches into the next
+    # data position, saved through Lightning's stateful-dataloader protocol: 30 steps = whole epochs + batches
+    [pos] = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert "TextDataModule" not in state  # no second copy in the data module's state
     assert state["global_step"] == 30 and pos["epoch"] * pos["epoch_batches"] + pos["batches"] == 30
     assert state["lr_schedulers"][0]["lr_lambdas"][0]["total_steps"] == 30
 
@@ -41,6 +43,8 @@ def test_lm_fit_validate_predict(tmp_path, text_data):
              "--trainer.limit_predict_batches", "2"])
     pred = torch.load(os.path.join(out, "predictions_rank0.pt"), weights_only=True)
     assert pred["nll"].ndim == 1 and len(pred["nll"]) >= 8 and torch.isfinite(pred["nll"]).all()
+    # every row names the document and token where it starts
+    assert len(pred["keys"]) == len(pred["nll"]) and all(":" in k for k in pred["keys"])
 
 
 @pytest.mark.parametrize("model_name", ["DiffCLIP-Tiny", "CLIP-Tiny"])
@@ -72,3 +76,4 @@ def test_clip_fit_validate_predict(tmp_path, image_text_data, model_name):
     pred = torch.load(os.path.join(out, "predictions_rank0.pt"), weights_only=True)
     assert pred["image_features"].shape == (16, 16) and pred["text_features"].shape == (16, 16)  # embed_dim 16
     torch.testing.assert_close(pred["image_features"].norm(dim=-1), torch.ones(16))
+    assert len(pred["keys"]) == 16 == len(set(pred["keys"]))  # the sample key of every row

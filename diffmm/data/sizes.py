@@ -1,0 +1,281 @@
+"""Samples per shard: from ``sizes.json``, img2dataset's ``*_stats.json``, or counted once and cached.
+
+Exact epochs need the number of samples of every shard. In order, a local shard's count comes from
+
+1. ``sizes.json`` beside it (shard file name -> samples; written by every diffmm shard tool and by
+   ``diffmm shards index``, the open_clip convention),
+2. img2dataset's ``{stem}_stats.json`` beside it (field ``successes``),
+3. a count cache: ``.diffmm-counts.json`` beside the shards when that folder is writable, else
+   ``$XDG_CACHE_HOME/diffmm/shard-counts/<hash of the folder>.json``; entries are keyed by file
+   name and hold the file's size and mtime, so a changed shard is counted again,
+4. counting: reading the tar headers (seeking over the data of uncompressed local tars), then
+   stored in the cache.
+
+A count that is wrong (a stale ``sizes.json``) is found while reading: the reader reports the shard
+as ``shards_miscounted`` and the epoch stays valid (see :mod:`diffmm.data.stream`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+from diffmm.data.urls import SIZES_FILE, is_local, local_path, open_shard
+
+log = logging.getLogger("diffmm.data")
+
+CACHE_FILE = ".diffmm-counts.json"
+STATS_SUFFIX = "_stats.json"
+_COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+
+
+@dataclass(frozen=True)
+class ShardCount:
+    """Samples of one shard and where the number comes from (a file path, or ``"counted"``)."""
+
+    samples: int
+    source: str
+
+
+class UnknownShardSize(ValueError):
+    """The size of a shard cannot be known without reading it (a ``pipe:`` or remote url)."""
+
+
+def _split(url: str) -> tuple[str, str]:
+    return os.path.split(os.path.abspath(local_path(url)))
+
+
+def _stem(name: str) -> str:
+    for ext in (".tar.gz", ".tgz", ".tar"):
+        if name.endswith(ext):
+            return name[: -len(ext)]
+    return os.path.splitext(name)[0]
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: not readable JSON (%s)", path, e)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def cache_path(directory: str) -> str:
+    """The count cache of a shard folder: beside the shards if writable, else under ``$XDG_CACHE_HOME/diffmm``."""
+    if os.access(directory, os.W_OK):
+        return os.path.join(directory, CACHE_FILE)
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:16]
+    return os.path.join(root, "diffmm", "shard-counts", f"{digest}.json")
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write ``data`` as JSON through a temporary file and a rename (readers never see half a file)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _is_compressed(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return any(head.startswith(m) for m in _COMPRESSED_MAGIC)
+
+
+def count_samples(url: str) -> int:
+    """Samples in one shard as :func:`~diffmm.data.tar_reader.iter_tar_samples` yields them (see :func:`inspect_shard`)."""
+    return inspect_shard(url)[0]
+
+
+def inspect_shard(url: str) -> tuple[int, Optional[str]]:
+    """``(samples, problem)`` of one shard; ``problem`` says why the shard is damaged (else ``None``).
+
+    Uncompressed local tars are indexed by their headers only (seeking over the data); other shards
+    are streamed. A damaged shard counts the samples the reader delivers before the damage; an
+    unreadable one counts 0.
+    """
+    from diffmm.data.tar_reader import RecordingTarInfo, split_name
+
+    path = local_path(url)
+    try:
+        seekable = is_local(url) and not _is_compressed(path)
+        stream = open(path, "rb") if seekable else open_shard(url)
+    except OSError as e:
+        return 0, f"cannot open: {e}"
+    size = os.path.getsize(path) if seekable else None
+    n, last_key, last_end, problem = 0, None, 0, None
+    try:
+        try:
+            tf = tarfile.open(fileobj=stream, mode="r:" if seekable else "r|*", tarinfo=RecordingTarInfo)
+        except (tarfile.TarError, EOFError, OSError) as e:
+            return 0, "empty" if "empty file" in str(e) else f"not a readable tar ({e})"
+        try:
+            for member in tf:
+                if not member.isfile():
+                    continue
+                parts = split_name(member.name)
+                if parts is None:
+                    continue
+                end = member.offset_data + member.size
+                if size is not None and end > size:  # data cut off: the reader drops this sample
+                    n -= parts[0] == last_key
+                    last_key, problem = None, "truncated inside a member"
+                    break
+                if parts[0] != last_key:
+                    n += 1
+                    last_key = parts[0]
+                last_end = end
+        except (tarfile.TarError, EOFError, OSError) as e:
+            n -= last_key is not None  # the reader drops the sample it was reading when the stream broke
+            last_key, problem = None, f"{type(e).__name__}: {e}"
+        cut = getattr(tf, "_diffmm_cut", False) or (size is not None and size - (-(-last_end // 512) * 512) < 512)
+        if cut and last_key is not None:
+            n -= 1  # no end-of-archive block after the last member: the reader drops that sample too
+            problem = "no end-of-archive block (cut off?)"
+        if n == 0 and problem is None:
+            problem = "empty"
+    finally:
+        try:
+            stream.close()
+        except OSError as e:
+            problem = problem or str(e)
+    return max(n, 0), problem
+
+
+def stated_counts(urls: Sequence[str], use_cache: bool = False) -> dict[str, ShardCount]:
+    """Counts that files state (``sizes.json``, ``*_stats.json``; with ``use_cache`` also the count
+    cache) for the local ``urls`` that have one; nothing is counted."""
+    out: dict[str, ShardCount] = {}
+    by_dir: dict[str, list[str]] = {}
+    for url in urls:
+        if is_local(url):
+            by_dir.setdefault(_split(url)[0], []).append(url)
+    for directory, dir_urls in by_dir.items():
+        sizes = _read_json(os.path.join(directory, SIZES_FILE)) or {}
+        cache = None
+        for url in dir_urls:
+            name = _split(url)[1]
+            if isinstance(sizes.get(name), int):
+                out[url] = ShardCount(int(sizes[name]), os.path.join(directory, SIZES_FILE))
+                continue
+            stats_path = os.path.join(directory, _stem(name) + STATS_SUFFIX)
+            stats = _read_json(stats_path)
+            if stats is not None and isinstance(stats.get("successes"), int):
+                out[url] = ShardCount(int(stats["successes"]), stats_path)
+                continue
+            if not use_cache:
+                continue
+            if cache is None:
+                cache = _read_json(cache_path(directory)) or {}
+            entry = cache.get(name)
+            st = _stat(url)
+            if isinstance(entry, dict) and entry.get("bytes") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+                out[url] = ShardCount(int(entry["samples"]), "counted")
+    return out
+
+
+def shard_counts(urls: Sequence[str], count_missing: bool = True, progress: bool = False,
+                 on_count: Optional[Callable[[str], None]] = None) -> dict[str, ShardCount]:
+    """The sample count of each url (see the module doc for where each comes from).
+
+    Args:
+        urls: shard urls; ``pipe:`` and remote urls raise :class:`UnknownShardSize`.
+        count_missing: count shards no file describes (else raise ``FileNotFoundError``).
+        progress: show a tqdm bar while counting.
+        on_count: called with each url before it is counted.
+
+    Raises:
+        UnknownShardSize: a non-local url.
+        FileNotFoundError: a missing shard, or no count and ``count_missing`` is off.
+    """
+    for url in urls:
+        if not is_local(url):
+            raise UnknownShardSize(f"the sample count of {url!r} is unknown (not a local file); pass the epoch size "
+                                   "(samples_per_epoch) or use local shards")
+    out = stated_counts(urls, use_cache=True)
+    to_count = [(u, *_split(u)) for u in dict.fromkeys(urls) if u not in out]
+    if to_count:
+        if not count_missing:
+            raise FileNotFoundError(f"no sample count for {to_count[0][0]} (no {SIZES_FILE}); run `diffmm shards index`")
+        _count_and_cache(to_count, out, progress, on_count)
+    return {u: out[u] for u in urls}
+
+
+def _stat(url: str) -> os.stat_result:
+    try:
+        return os.stat(local_path(url))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"shard not found: {url}") from None
+
+
+def _count_and_cache(to_count: list[tuple[str, str, str]], out: dict[str, ShardCount], progress: bool,
+                     on_count: Optional[Callable[[str], None]]) -> None:
+    from tqdm import tqdm
+
+    new: dict[str, dict[str, dict]] = {}
+    for url, directory, name in tqdm(to_count, desc="counting samples", unit="shard",
+                                     disable=not progress or len(to_count) < 2):
+        if on_count is not None:
+            on_count(url)
+        st = _stat(url)
+        n, problem = inspect_shard(url)
+        if problem is not None:
+            log.warning("shard %s: %s (counted %d samples)", url, problem, n)
+        out[url] = ShardCount(n, "counted")
+        new.setdefault(directory, {})[name] = {"samples": n, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    for directory, entries in new.items():
+        path = cache_path(directory)
+        cache = _read_json(path) or {}
+        cache.update(entries)
+        try:
+            write_json_atomic(path, cache)
+        except OSError as e:  # a read-only cache is not an error: the count is used, just not kept
+            log.warning("could not cache shard counts in %s (%s)", path, e)
+            continue
+        log.info("counted %d samples in %d shard(s) of %s without %s (cached in %s)",
+                 sum(e["samples"] for e in entries.values()), len(entries), directory, SIZES_FILE, path)
+
+
+def total_samples(urls: Sequence[str]) -> int:
+    """Total samples of ``urls`` (``sizes.json``, ``*_stats.json``, the count cache, or counted now)."""
+    return sum(c.samples for c in shard_counts(urls, progress=True).values())
+
+
+def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[str, int]]:
+    """Count every shard (ignoring existing ``sizes.json`` entries) and merge the counts into the
+    ``sizes.json`` of each shard's folder; returns ``{sizes.json path: {name: samples}}``."""
+    from tqdm import tqdm
+
+    urls = list(urls)
+    written: dict[str, dict[str, int]] = {}
+    for url in tqdm(urls, desc="indexing", unit="shard", disable=not progress or len(urls) < 2):
+        if not is_local(url):
+            raise UnknownShardSize(f"{url!r}: only local shards can be indexed")
+        _stat(url)
+        directory, name = _split(url)
+        n, problem = inspect_shard(url)
+        if problem is not None:
+            log.warning("shard %s: %s (counted %d samples)", url, problem, n)
+        written.setdefault(os.path.join(directory, SIZES_FILE), {})[name] = n
+    for path, counts in written.items():
+        data = _read_json(path) or {}
+        data.update(counts)
+        write_json_atomic(path, data)
+    return written

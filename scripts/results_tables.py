@@ -1,0 +1,330 @@
+"""Regenerate the result tables of the docs from the committed result files.
+
+Each generated section of a doc sits between two markers and is rewritten from its source:
+
+    <!-- BEGIN GENERATED demo-clip (scripts/results_tables.py from results/demo/results.json) -->
+    ...
+    <!-- END GENERATED demo-clip -->
+
+| section | doc | source |
+|---|---|---|
+| ``demo-run``, ``demo-clip``, ``demo-lm`` | docs/results.md | ``results/demo/results.json`` (``diffmm demo``) |
+| ``tiny-lm-lr3e-3``, ``tiny-lm-lr1e-3`` | docs/diff_v2.md | ``results/tiny_lm/*.json`` (``scripts/compare_lm_variants.py``) |
+
+    python scripts/results_tables.py                       # rewrite the generated sections
+    python scripts/results_tables.py --check               # exit 1 and name the stale sections
+    python scripts/results_tables.py --import-demo report  # copy a demo run's results into results/demo/, then rewrite
+
+``--import-demo DIR`` copies ``DIR/results.json`` and ``DIR/report.md`` (and the plots ``report.md`` shows) into
+``results/demo/`` and writes ``results/demo/config.json`` (command, preset, config, environment); absolute paths
+in them become relative to the repository (or ``<path>``). ``tests/test_docs.py`` checks that the committed docs
+equal this script's output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for _p in (REPO, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+DEMO_DIR = os.path.join("results", "demo")
+TINY_LM_DIR = os.path.join("results", "tiny_lm")
+SCRIPT = "scripts/results_tables.py"
+
+
+# ------------------------------------------------------------------------------------------------ demo
+def _load_demo(root: str) -> dict:
+    path = os.path.join(root, DEMO_DIR, "results.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{os.path.relpath(path, root)}: not found; run the demo and import it: "
+                         f"`python {SCRIPT} --import-demo report`")
+    with open(path) as f:
+        return json.load(f)
+
+
+def demo_preset(cfg: dict) -> str:
+    """'full' or 'quick' when ``cfg`` is that preset (paths, threads and workers aside), else 'custom'."""
+    from diffmm.demo.config import PRESETS
+
+    ignore = {"out", "data", "threads", "num_workers", "install"}
+
+    def norm(d: dict) -> str:
+        return json.dumps({k: v for k, v in d.items() if k not in ignore}, sort_keys=True, default=list)
+
+    for name, preset in PRESETS.items():
+        if norm(json.loads(json.dumps(preset.to_dict()))) == norm(cfg):
+            return name
+    return "custom"
+
+
+def demo_run(root: str) -> str:
+    r = _load_demo(root)
+    cfg, env = r["config"], r["environment"]
+    preset = demo_preset(cfg)
+    steps = r.get("steps", [])
+    failed = [s["name"] for s in steps if s["status"] == "failed"]
+    rows = [
+        ("command", f"`{r['command']}`"),
+        ("preset", {"full": "full (`make demo`)", "quick": "**quick** (`make demo-quick`: a smoke test, not the "
+                    "documented comparison)"}.get(preset, "custom")),
+        ("seeds", ", ".join(map(str, cfg["seeds"]))),
+        ("image-text", f"{cfg['clip_models'][0]} vs {cfg['clip_models'][1]}: {cfg['clip_steps']} steps x "
+                       f"{cfg['clip_batch']} pairs, held-out style `{cfg['holdout_style']}`"),
+        ("language", f"{cfg['lm_models'][0]} vs {cfg['lm_models'][1]}: {cfg['lm_steps']} steps x {cfg['lm_batch']} x "
+                     f"{cfg['lm_model_kwargs'].get('block_size')} tokens"),
+        ("steps", f"{len(steps) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else "")),
+        ("wall time", f"{(r.get('wall_seconds') or 0) / 60:.1f} min (CPU {(r.get('cpu_seconds') or 0) / 60:.1f} min), "
+                      f"{env['cores']} cores, {env['torch_threads']} torch thread(s), load average "
+                      f"{env.get('load_start')} at the start, {env.get('load_end', '?')} at the end"),
+        ("software", f"diffmm {env.get('diffmm')}, torch {env.get('torch')}, Python {env.get('python')}"),
+        ("finished", str(r.get("finished", "?"))),
+    ]
+    lines = ["| run | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    if preset != "full":
+        lines += ["", f"**The committed run is the {preset} preset**, not the 3-seed `make demo` run this page "
+                      "describes; regenerate with `make demo && python scripts/results_tables.py --import-demo report`."]
+    return "\n".join(lines) + "\n"
+
+
+def _clip_chance(clip: dict) -> dict[str, str]:
+    from diffmm.demo.report import _first
+
+    chance = {}
+    for key, path in (("zs_group_top1", ("zs_group", "chance_top1")), ("zs_subgroup_top1", ("zs_subgroup", "chance_top1")),
+                      ("zs_fmnist_top1", ("zs_fmnist", "chance_top1")), ("i2t_r1", ("retrieval", "chance_R1")),
+                      ("t2i_r1", ("retrieval", "chance_R1"))):
+        c = _first(clip, path)
+        if c is not None:
+            chance[key] = f"{100 * c:.2f}"
+    c = _first(clip, ("zs_subgroup", "chance_top1"))
+    if c is not None:
+        chance["zs_subgroup_top5"] = f"{500 * c:.2f}"
+    c = _first(clip, ("retrieval", "chance_R1"))
+    if c is not None:
+        chance["i2t_r5"] = chance["t2i_r5"] = f"{500 * c:.2f}"
+    return chance
+
+
+def demo_clip(root: str) -> str:
+    from diffmm.demo.report import _comparison_table
+    from diffmm.demo.summary import CLIP_METRICS
+
+    r = _load_demo(root)
+    if not r.get("clip"):
+        return "*(no image-text part in this run)*\n"
+    chance = _clip_chance(r["clip"])
+    chance["train_loss"] = f"ln {r['config']['clip_batch']} = {math.log(r['config']['clip_batch']):.2f}"
+    return _comparison_table(r["clip"], CLIP_METRICS, chance)
+
+
+def demo_lm(root: str) -> str:
+    from diffmm.demo.report import _comparison_table
+    from diffmm.demo.summary import LM_METRICS
+
+    r = _load_demo(root)
+    if not r.get("lm"):
+        return "*(no language part in this run)*\n"
+    return _comparison_table(r["lm"], LM_METRICS, {})
+
+
+# -------------------------------------------------------------------------------------------- tiny LM
+VNAME = {"standard": "standard", "diff": "diff (V1)", "diff_v2": "diff_v2"}
+
+
+def _tiny_lm(root: str, name: str) -> str:
+    from compare_lm_variants import VARIANTS
+
+    path = os.path.join(root, TINY_LM_DIR, name + ".json")
+    if not os.path.isfile(path):
+        rel = os.path.relpath(path, root)
+        raise SystemExit(f"{rel}: not found; run `python scripts/compare_lm_variants.py ... --json {rel}`")
+    with open(path) as f:
+        d = json.load(f)
+    a, res = d["args"], d["results"]
+    keys = [("val_loss", "val loss", 4), ("spikes", "spikes", 1), ("max_grad_norm", "max grad norm", 2),
+            ("top_attn_logit", "top-1 attn logit", 2), ("top_hidden", "top-1 hidden", 2), ("seconds", "seconds", 0)]
+    seeds = sorted({r["seed"] for r in res})
+    lines = [f"lr {a['lr']:g}, {a['steps']} steps, seeds {', '.join(map(str, seeds))} (mean ± std; `{path[len(root) + 1:]}`; "
+             "\"seconds\" are wall times on a shared machine, not a speed measure):", "",
+             "| attention | non-emb params | " + " | ".join(k[1] for k in keys) + " |",
+             "|---|---:|" + "---:|" * len(keys)]
+    by_v = {v: sorted((r for r in res if r["variant"] == v), key=lambda r: r["seed"]) for v in VARIANTS}
+    for v, rs in by_v.items():
+        if not rs:
+            continue
+        cells = []
+        for k, _, dg in keys:
+            vals = [float(r[k]) for r in rs]
+            sd = statistics.stdev(vals) if len(vals) > 1 else None
+            cells.append(f"{statistics.fmean(vals):.{dg}f}" + (f" ± {sd:.{dg}f}" if sd is not None else ""))
+        lines.append(f"| {VNAME[v]} | {rs[0]['params']:,} | " + " | ".join(cells) + " |")
+    base = {r["seed"]: r for r in by_v.get("standard", [])}
+    paired = []
+    for v in ("diff_v2", "diff"):
+        ds = [(r["seed"], r["val_loss"] - base[r["seed"]]["val_loss"]) for r in by_v.get(v, []) if r["seed"] in base]
+        if ds:
+            name = {"diff": "V1", "diff_v2": "V2"}[v]
+            paired.append(f"{name} {', '.join(f'{x:+.3f}' for _, x in ds)} (mean {statistics.fmean(x for _, x in ds):+.3f})")
+    spikes = "; ".join(f"{VNAME[v]} {' / '.join(str(r['spikes']) for r in rs)}" for v, rs in by_v.items() if rs)
+    lines += ["", "Paired per seed (val loss minus standard's, seeds " + ", ".join(map(str, sorted(base))) + "): "
+              + "; ".join(paired) + ". Spikes per seed: " + spikes + "."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------- machinery
+SECTIONS: dict[str, tuple[str, str, Callable[[str], str]]] = {
+    "demo-run": ("docs/results.md", "results/demo/results.json", demo_run),
+    "demo-clip": ("docs/results.md", "results/demo/results.json", demo_clip),
+    "demo-lm": ("docs/results.md", "results/demo/results.json", demo_lm),
+    "tiny-lm-lr3e-3": ("docs/diff_v2.md", "results/tiny_lm/lr3e-3.json", lambda root: _tiny_lm(root, "lr3e-3")),
+    "tiny-lm-lr1e-3": ("docs/diff_v2.md", "results/tiny_lm/lr1e-3.json", lambda root: _tiny_lm(root, "lr1e-3")),
+}
+
+
+def _block(name: str, source: str, body: str) -> str:
+    return (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {source}) -->\n" + body.rstrip("\n") + "\n"
+            f"<!-- END GENERATED {name} -->")
+
+
+def render(root: str = REPO) -> tuple[dict[str, str], list[str]]:
+    """The regenerated text of every doc with generated sections, and the problems (missing markers)."""
+    docs: dict[str, str] = {}
+    problems = []
+    for name, (doc, source, fn) in SECTIONS.items():
+        if doc not in docs:
+            with open(os.path.join(root, doc), encoding="utf-8") as f:
+                docs[doc] = f.read()
+        pat = re.compile(rf"<!-- BEGIN GENERATED {re.escape(name)} .*?-->\n.*?<!-- END GENERATED {re.escape(name)} -->",
+                         re.S)
+        if not pat.search(docs[doc]):
+            problems.append(f"{doc}: no markers for section {name}")
+            continue
+        block = _block(name, source, fn(root))
+        docs[doc] = pat.sub(lambda m: block, docs[doc], count=1)
+    return docs, problems
+
+
+def check(root: str = REPO) -> list[str]:
+    """Names of the sections whose committed text differs from the generated one (and missing markers)."""
+    docs, problems = render(root)
+    stale = list(problems)
+    for doc, text in docs.items():
+        with open(os.path.join(root, doc), encoding="utf-8") as f:
+            current = f.read()
+        if current != text:
+            stale += [f"{doc}: {n}" for n, (d, _, _) in SECTIONS.items() if d == doc
+                      and _section(current, n) != _section(text, n)]
+    return stale
+
+
+def _section(text: str, name: str) -> Optional[str]:
+    m = re.search(rf"<!-- BEGIN GENERATED {re.escape(name)} .*?<!-- END GENERATED {re.escape(name)} -->", text, re.S)
+    return m.group(0) if m else None
+
+
+# ------------------------------------------------------------------------------------------- import
+_ABS = re.compile(r"(?<![\w.~])/(?:work|tmp|root|home|Users|private|var/folders)/[^\s\"'`)\]]*")
+
+
+def scrub(text: str, run_dir: str, root: str = REPO) -> str:
+    """Absolute paths -> relative to the repository (when inside it) or ``<path>``."""
+    for base in sorted({os.path.abspath(run_dir), os.path.realpath(run_dir)}, key=len, reverse=True):
+        text = text.replace(base + os.sep, DEMO_DIR + "/").replace(base, DEMO_DIR)
+    for base in sorted({os.path.abspath(root), os.path.realpath(root)}, key=len, reverse=True):
+        text = text.replace(base + os.sep, "").replace(base, ".")
+    return _ABS.sub("<path>", text)
+
+
+def import_demo(run_dir: str, root: str = REPO) -> list[str]:
+    """Copy a demo run's results.json, report.md and shown plots into results/demo/; returns the written files."""
+    src_json = os.path.join(run_dir, "results.json")
+    if not os.path.isfile(src_json):
+        raise SystemExit(f"{src_json}: not found; run `diffmm demo --out {run_dir}` first")
+    dest = os.path.join(root, DEMO_DIR)
+    os.makedirs(dest, exist_ok=True)
+    written = []
+    with open(src_json) as f:
+        text = scrub(f.read(), run_dir, root)
+    r = json.loads(text)
+    with open(os.path.join(dest, "results.json"), "w") as f:
+        f.write(text)
+    written.append(os.path.join(DEMO_DIR, "results.json"))
+    config = {"command": r["command"], "preset": demo_preset(r["config"]), "config": r["config"],
+              "environment": r["environment"]}
+    with open(os.path.join(dest, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+        f.write("\n")
+    written.append(os.path.join(DEMO_DIR, "config.json"))
+    preset = config["preset"]
+    with open(os.path.join(dest, "README.md"), "w") as f:
+        f.write(f"# The demo run behind docs/results.md\n\n"
+                f"`{r['command']}`, preset **{preset}**"
+                + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {r['config']['clip_steps']} CLIP and "
+                   f"{r['config']['lm_steps']} LM steps; not the documented 3-seed comparison)" if preset == "quick" else "") + f", finished {r.get('finished', '?')}.\n\n"
+                "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
+                "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
+                "regenerates the tables of docs/results.md. The full run:\n\n"
+                "    make demo && python scripts/results_tables.py --import-demo report\n")
+    written.append(os.path.join(DEMO_DIR, "README.md"))
+    report = os.path.join(run_dir, "report.md")
+    if os.path.isfile(report):
+        with open(report) as f:
+            md = scrub(f.read(), run_dir, root)
+        for img in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md):
+            s, t = os.path.join(run_dir, img), os.path.join(dest, img)
+            if os.path.isfile(s):
+                os.makedirs(os.path.dirname(t), exist_ok=True)
+                shutil.copyfile(s, t)
+                written.append(os.path.join(DEMO_DIR, img))
+        with open(os.path.join(dest, "report.md"), "w") as f:
+            f.write(md)
+        written.append(os.path.join(DEMO_DIR, "report.md"))
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--check", action="store_true", help="do not write; exit 1 when a generated section is stale")
+    p.add_argument("--import-demo", metavar="DIR", help="first copy DIR's demo results into results/demo/")
+    p.add_argument("--root", default=REPO, help="repository root (default: this script's checkout)")
+    a = p.parse_args(argv)
+    if a.import_demo and a.check:
+        p.error("--import-demo writes; it cannot be combined with --check")
+    if a.import_demo:
+        for path in import_demo(a.import_demo, a.root):
+            print(f"wrote {path}")
+    if a.check:
+        stale = check(a.root)
+        for s in stale:
+            print(f"stale: {s}", file=sys.stderr)
+        return 1 if stale else 0
+    docs, problems = render(a.root)
+    if problems:
+        for s in problems:
+            print(f"error: {s}", file=sys.stderr)
+        return 1
+    for doc, text in docs.items():
+        path = os.path.join(a.root, doc)
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"updated {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
