@@ -17,7 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("diffmm.train.cli", "predict with a model (LightningCLI)"),
     "shards": ("diffmm.data.shards_cli", "write webdataset shards and build the demo datasets"),
     "eval": ("diffmm.eval.cli", "zero-shot, retrieval, linear probe and language evaluations"),
-    "export": ("diffmm.hub.export_cli", "write a diffmm export folder from a training checkpoint"),
+    "classify": ("diffmm.eval.classify", "zero-shot labels for your own images (one row per image: CSV/JSON)"),
+    "export": ("diffmm.hub.export_cli", "write a diffmm export folder from a checkpoint (Lightning .ckpt, any format)"),
     "demo": ("diffmm.demo.cli", "the main job: demo data, tiny CLIP vs DiffCLIP, report"),
 }
 

@@ -1,4 +1,5 @@
-"""Evaluation: zero-shot classification, retrieval, linear probe, language tasks, lm-eval adapter, pictures.
+"""Evaluation: zero-shot classification (``classify`` for unlabelled images), retrieval, linear probe, language
+tasks, lm-eval adapter, pictures.
 
 Names are imported lazily, so ``import diffmm.eval`` stays light. See ``docs/evaluation.md``.
 """
@@ -18,6 +19,8 @@ _EXPORTS = {
     "AttentionRecorder": "attention_capture", "DiffmmLM": "harness", "run_lm_eval": "harness",
     "cls_attention": "plots", "plot_attention_maps": "plots", "plot_needle_attention": "plots",
     "plot_loss_curves": "plots", "load_clip": "loading", "load_lm": "loading", "EvalError": "common",
+    "classify_images": "classify", "Predictions": "classify", "ImageListSource": "image_sources",
+    "expand_image_inputs": "image_sources",
 }
 __all__ = sorted(_EXPORTS)
 

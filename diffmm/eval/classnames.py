@@ -2,9 +2,10 @@
 
 Built in: ``imagenet`` class names and the ``openai`` (80) / ``simple`` (2) ImageNet templates,
 taken from ``open_clip.zero_shot_metadata``; ``fashion-mnist`` class names; the ``plain`` template
-``"{}"``. Custom lists come from a file: ``.txt`` (one entry a line; blank lines and ``#`` comments
-skipped) or ``.json`` (a list, an ``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored
-under ``KEY``, e.g. ``data/emoji/classes.json:groups``).
+``"{}"``. Templates may be written inline (``"a photo of a {}."``). Custom lists come from a file:
+``.txt`` (one entry a line; blank lines and ``#`` comments skipped) or ``.json`` (a list, an
+``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored under ``KEY``, e.g.
+``data/emoji/classes.json:groups``).
 """
 from __future__ import annotations
 
@@ -89,25 +90,60 @@ def get_classnames(spec: str | Sequence[str]) -> list[str]:
     return names
 
 
-def get_templates(spec: str | Sequence[Template]) -> list[Template]:
-    """Templates from a built-in name (``openai``, ``simple``, ``plain``), a file, or a list.
+def _is_template(text: str) -> bool:
+    return "{}" in text or "{c}" in text
 
-    A string template holds ``{}`` or ``{c}`` where the class name goes; callables take the name.
+
+def _expand_template_spec(spec: str, where: str) -> list[Template]:
+    """One ``--templates`` entry: a built-in name, an existing file, or an inline template holding ``{}``."""
+    builtin = _builtin_templates(spec)
+    if builtin is not None:
+        return list(builtin)
+    if os.path.isfile(spec) or (os.path.isfile(spec.rsplit(":", 1)[0]) and ".json:" in spec):
+        return read_list(spec, "templates")
+    if _is_template(spec):
+        return [spec]
+    if spec.endswith((".txt", ".json")) or ".json:" in spec or os.sep in spec:
+        return read_list(spec, "templates")  # a missing file: "templates file not found: ..."
+    raise EvalError(f"{where}: template {spec!r} has no {{}} (or {{c}}) where the class name goes; give a built-in "
+                    f"list (openai, simple, plain), a .txt/.json file, or a template such as 'a photo of a {{}}.'")
+
+
+def get_templates(spec: str | Sequence[Template]) -> list[Template]:
+    """Templates from a built-in name (``openai``, ``simple``, ``plain``), a file, an inline template, or a list.
+
+    A string template holds ``{}`` or ``{c}`` where the class name goes (``"a photo of a {}."``); callables take
+    the name. A list may mix templates, built-in names and files (each expanded), as ``--templates A B C`` does.
     """
-    if isinstance(spec, str):
-        templates = _builtin_templates(spec)
-        templates = list(templates) if templates is not None else read_list(spec, "templates")
-    else:
-        templates = list(spec)
     where = spec if isinstance(spec, str) else "the template list"
+    if isinstance(spec, str):
+        templates = _expand_template_spec(spec, spec)
+    else:
+        templates = []
+        for item in spec:
+            if isinstance(item, str) and not _is_template(item):
+                templates += _expand_template_spec(item, item)
+            else:
+                templates.append(item)
     if not templates:
-        raise EvalError(f"{where}: the template list is empty; give at least one template such as 'a photo of a {{}}.'")
+        prefix = f"{spec}: " if isinstance(spec, str) else ""
+        raise EvalError(f"{prefix}the template list is empty; give at least one template such as 'a photo of a {{}}.'")
     for i, t in enumerate(templates):
-        if isinstance(t, str) and "{}" not in t and "{c}" not in t:
+        if isinstance(t, str) and not _is_template(t):
             raise EvalError(f"{where}: template {i} {t!r} has no {{}} (or {{c}}) where the class name goes")
         if not isinstance(t, str) and not callable(t):
             raise EvalError(f"{where}: template {i} is a {type(t).__name__}; expected a string or a callable")
     return templates
+
+
+def parse_labels(text: str) -> list[str]:
+    """Class names from an inline comma-separated list (``"cat,dog,red car"``); spaces around names are dropped."""
+    names = [n.strip() for n in text.split(",")]
+    if not any(names):
+        raise EvalError(f"--labels {text!r}: no class names; give them comma-separated, e.g. 'cat,dog,bird'")
+    if "" in names:
+        raise EvalError(f"--labels {text!r}: an empty name (two commas in a row, or a trailing comma)")
+    return get_classnames(names)
 
 
 def fill_template(template: Template, classname: str) -> str:

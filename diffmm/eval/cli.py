@@ -25,9 +25,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _clip_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="diffmm config name, local-dir:FOLDER, or open_clip:NAME")
-    p.add_argument("--pretrained", help="weights file/folder (any format diffmm loads)")
+MODEL_HELP = ("a diffmm config name (diffmm.list_models()), open_clip:NAME, local-dir:FOLDER, or a path to weights: "
+              "a Lightning .ckpt from diffmm fit, an export folder, an open_clip / official DiffCLIP checkpoint")
+TEMPLATES_HELP = ("prompt templates: a built-in list (openai, simple, plain), a .txt/.json file, or a template with {} "
+                  "such as 'a photo of a {}.'; repeat the option for several")
+
+
+def add_clip_options(p: argparse.ArgumentParser) -> None:
+    """The model options every CLIP task shares (``diffmm eval``, ``diffmm classify``)."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--pretrained", help="weights for a config name or open_clip:NAME (any format diffmm loads); "
+                                        "without it such a model has random weights (a warning says so)")
     p.add_argument("--trust-pickle", action="store_true", help="allow pickled checkpoints (official DiffCLIP)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
@@ -42,7 +50,8 @@ def _lm_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _load_clip(a):
+def load_clip_from_args(a):
+    """``(model, preprocess, tokenizer)`` of the parsed :func:`add_clip_options` (seeded before building)."""
     import torch
 
     from diffmm.eval.loading import load_clip
@@ -73,13 +82,14 @@ def _load_lm(a):
 
 
 def _finish(a, result: dict, markdown: str) -> int:
-    print(markdown)
+    written = []  # files first: a closed stdout (`| head`) must not lose the results
     if a.out:
-        write_json(a.out, result)
-        print(f"wrote {a.out}", file=sys.stderr)
+        written.append(write_json(a.out, result))
     if a.md:
-        write_text(a.md, markdown)
-        print(f"wrote {a.md}", file=sys.stderr)
+        written.append(write_text(a.md, markdown))
+    print(markdown)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -95,9 +105,9 @@ def cmd_zeroshot(a) -> int:
     from diffmm.eval.classnames import get_classnames, get_templates
     from diffmm.eval.zeroshot import zero_shot
 
-    model, preprocess, tokenizer = _load_clip(a)
+    model, preprocess, tokenizer = load_clip_from_args(a)
     names = get_classnames(a.classnames) if a.classnames else None
-    templates = get_templates(a.templates)
+    templates = get_templates(a.templates or ["simple"])
     source = _source(a, a.data, preprocess, names, a.split)
     names = names or source.classnames
     if names is None:
@@ -111,7 +121,7 @@ def cmd_zeroshot(a) -> int:
 def cmd_retrieval(a) -> int:
     from diffmm.eval.retrieval import retrieval_markdown, retrieval_on_shards
 
-    model, preprocess, tokenizer = _load_clip(a)
+    model, preprocess, tokenizer = load_clip_from_args(a)
     res = retrieval_on_shards(model, tokenizer, a.data, preprocess, caption_field=a.caption_field,
                               batch_size=a.batch_size, num_workers=a.workers, precision=a.precision,
                               show_progress=not a.no_progress, max_batches=a.max_batches)
@@ -124,7 +134,7 @@ def cmd_linear_probe(a) -> int:
 
     from diffmm.eval.image_sources import IdxSource
 
-    model, preprocess, _ = _load_clip(a)
+    model, preprocess, _ = load_clip_from_args(a)
     if a.test is None and not isinstance(_source(a, a.train, preprocess, split="test"), IdxSource):
         raise EvalError(f"give --test; only an IDX folder ({a.train}) holds both splits")
     feats = {}
@@ -281,23 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("zeroshot", cmd_zeroshot, "zero-shot image classification (top-1/5, per class, confusion matrix)")
-    _clip_opts(p)
-    p.add_argument("--data", required=True, help="image folder (ROOT/<class>/img), idx:FOLDER / a folder of IDX "
-                                                 "files, or shards 'dir/x-{000000..000009}.tar'")
+    add_clip_options(p)
+    p.add_argument("--data", required=True, help="labelled images: a folder ROOT/<class>/img, idx:FOLDER / a folder of "
+                                                 "IDX files, or shards 'dir/x-{000000..000009}.tar' (unlabelled "
+                                                 "images: diffmm classify)")
     p.add_argument("--split", default="test", help="IDX split: train or test")
     p.add_argument("--label-field", default="cls", help="shards: cls or json:NAME")
     p.add_argument("--classnames", help="imagenet, fashion-mnist, or a .txt/.json file (FILE.json:KEY)")
-    p.add_argument("--templates", default="simple", help="openai, simple, plain, or a .txt/.json file")
+    p.add_argument("--templates", action="append", help=TEMPLATES_HELP + " (default: simple)")
     _common(p)
 
     p = add("retrieval", cmd_retrieval, "image<->text recall@1/5/10 on image-text shards")
-    _clip_opts(p)
+    add_clip_options(p)
     p.add_argument("--data", required=True, help="image-text shards")
     p.add_argument("--caption-field", default="txt", help="txt (one caption a line) or json:NAME (str or list)")
     _common(p)
 
     p = add("linear-probe", cmd_linear_probe, "logistic regression on frozen image features (C sweep)")
-    _clip_opts(p)
+    add_clip_options(p)
     p.add_argument("--train", required=True, help="labelled images (as zeroshot --data); IDX uses the train split")
     p.add_argument("--test", help="labelled test images (IDX folder: the test split; default: --train's folder)")
     p.add_argument("--val", help="validation images (default: 20%% of --train, stratified)")

@@ -26,6 +26,10 @@ from diffmm.eval.idx import IdxArray, find_idx_pair
 log = logging.getLogger("diffmm.eval")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+UNLABELLED = ("a flat folder (or glob) of images has no labels, so accuracy cannot be measured; give labelled "
+              "ROOT/<class>/<image> folders, IDX files or label shards, or predict labels of unlabelled images with "
+              "`diffmm classify --labels ...`")
+GLOB_CHARS = ("*", "?", "[")
 
 
 class _SkipCollate:
@@ -104,6 +108,8 @@ class ImageFolderSource(_MapSource):
             raise EvalError(f"image folder not found: {root}")
         folders = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         if not folders:
+            if any(e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in os.scandir(root)):
+                raise EvalError(f"{root}: {UNLABELLED}")
             raise EvalError(f"{root}: no class subfolders (expected ROOT/<class>/<image>)")
         if classnames is not None and len(classnames) != len(folders):
             raise EvalError(f"{len(classnames)} class names given but {root} has {len(folders)} class subfolders "
@@ -224,4 +230,57 @@ def open_image_source(spec: str, transform: Callable, *, classnames: Sequence[st
         return ImageFolderSource(spec, transform, classnames, batch_size=batch_size, num_workers=num_workers)
     if ".tar" in spec or spec.startswith("pipe:"):
         return ShardLabelSource(spec, transform, label_field, batch_size=batch_size, num_workers=num_workers)
+    if any(c in spec for c in GLOB_CHARS) or (os.path.isfile(spec) and spec.lower().endswith(IMAGE_EXTENSIONS)):
+        raise EvalError(f"{spec}: {UNLABELLED}")
     raise EvalError(f"dataset {spec!r}: not a folder, idx:FOLDER or a .tar shard spec")
+
+
+# ------------------------------------------------------------------------------------------- unlabelled images
+def expand_image_inputs(specs: Sequence[str]) -> list[str]:
+    """Image files of command-line inputs, in order, each once: files as given, folders searched recursively
+    (sorted; files with an image extension), glob patterns (``**`` allowed) expanded and sorted.
+
+    A spec that matches nothing is a one-line error naming it. Files are not opened here: unreadable ones are
+    skipped and counted by :class:`ImageListSource`.
+    """
+    import glob
+
+    out: list[str] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if os.path.isdir(spec):
+            found = [os.path.join(d, n) for d, _, names in sorted(os.walk(spec)) for n in sorted(names)
+                     if n.lower().endswith(IMAGE_EXTENSIONS) and not n.startswith(".")]
+            if not found:
+                raise EvalError(f"{spec}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
+        elif os.path.isfile(spec):
+            found = [spec]
+        elif any(c in spec for c in GLOB_CHARS):
+            found = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise EvalError(f"{spec}: the pattern matches no files")
+        else:
+            raise EvalError(f"{spec}: no such image file, folder or pattern")
+        for path in found:
+            if path not in seen:
+                seen.add(path)
+                out.append(path)
+    return out
+
+
+class ImageListSource(_MapSource):
+    """Unlabelled images from a list of files: yields ``(images (B,3,S,S), indices (B,))``, where ``indices``
+    point into :attr:`files` (unreadable images are skipped, counted in :attr:`skipped` and logged once).
+
+    Args:
+        files: image paths (see :func:`expand_image_inputs`).
+        transform: PIL image -> tensor (the model's eval preprocess).
+        batch_size, num_workers: DataLoader settings.
+    """
+
+    def __init__(self, files: Sequence[str], transform: Callable, batch_size: int = 64, num_workers: int = 2) -> None:
+        if not files:
+            raise EvalError("no images given")
+        self.files = list(files)
+        super().__init__(_FolderDataset([(f, i) for i, f in enumerate(self.files)], transform), batch_size,
+                         num_workers, name="images")

@@ -1,6 +1,7 @@
 """Load the models an evaluation runs on: CLIP-like models (diffmm, open_clip) and LMs (+ tokenizer)."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable
 
@@ -8,55 +9,48 @@ import torch
 
 from diffmm.eval.common import EvalError, resolve_device
 
-OPEN_CLIP_PREFIX = "open_clip:"
-_SAVED = ("local-dir:", "hf-hub:")
+log = logging.getLogger("diffmm.eval")
 
 
 def load_clip(model: str, pretrained: str | None = None, *, device: str | torch.device | None = None,
-              trust_pickle: bool = False, **kwargs: Any) -> tuple[torch.nn.Module, Callable, Callable]:
-    """``(model, eval_preprocess, tokenizer)`` for a diffmm or open_clip model, in eval mode.
+              trust_pickle: bool = False, warn_random: bool = True,
+              **kwargs: Any) -> tuple[torch.nn.Module, Callable, Callable]:
+    """``(model, eval_preprocess, tokenizer)`` of a CLIP-like model, in eval mode: the one model resolution of
+    ``diffmm eval``, ``diffmm classify`` and ``diffmm export`` (``diffmm.create_model``'s rule for names).
 
     Args:
-        model: a diffmm config name (``diffmm.list_models()``), a config JSON, ``local-dir:FOLDER`` /
-            a diffmm export folder, or ``open_clip:NAME`` (an open_clip architecture; plain open_clip names
-            that diffmm does not know also go to open_clip).
-        pretrained: weights in any format diffmm loads (or, for open_clip models, what open_clip accepts).
+        model: a diffmm config name (``diffmm.list_models()``) or config JSON; ``open_clip:NAME``;
+            ``local-dir:FOLDER`` / ``hf-hub:ORG/REPO``; or a path to weights: a Lightning ``.ckpt`` from
+            ``diffmm fit``, a diffmm export folder, an open_clip / official DiffCLIP checkpoint file.
+        pretrained: weights for a config name or ``open_clip:NAME`` (any format diffmm loads; for open_clip names
+            also an open_clip tag).
         trust_pickle: allow pickled checkpoints that need full unpickling (official DiffCLIP files).
+        warn_random: log a warning when the model has random weights (no ``pretrained``, not a checkpoint).
+
+    The preprocessing (image size, mean/std) and the tokenizer (context length, truncation) are the model's own
+    (its config: e.g. ImageNet mean/std and the official truncation for official DiffCLIP checkpoints).
     """
-    device = resolve_device(device)
     import diffmm
+    from diffmm.models.clip.factory import tokenizer_for
+    from diffmm.models.clip.naming import UnknownModelError, has_weights, random_weights_message
 
-    name = model
-    if name.startswith(OPEN_CLIP_PREFIX):
-        return _load_open_clip(name[len(OPEN_CLIP_PREFIX):], pretrained, device)
-    if os.path.isdir(name) and not name.startswith(_SAVED):
-        name = "local-dir:" + name
-    known = diffmm.list_models()
-    if name.startswith(_SAVED) or name.endswith(".json") or name in known:
-        try:
-            net, _, preprocess = diffmm.create_model_and_transforms(name, pretrained, device=device,
-                                                                    trust_pickle=trust_pickle, **kwargs)
-        except (FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
-            raise EvalError(f"cannot load model {model!r} (pretrained={pretrained!r}): {e}") from None
-        ctx = getattr(net, "context_length", None)
-        tokenizer = diffmm.get_tokenizer(None, context_length=ctx) if ctx else diffmm.get_tokenizer(None)
-        return net.eval(), preprocess, tokenizer
-    import open_clip
-
-    if name in open_clip.list_models():
-        return _load_open_clip(name, pretrained, device)
-    raise EvalError(f"unknown model {model!r}; diffmm models: {', '.join(known)}; or open_clip:NAME, "
-                    f"local-dir:FOLDER")
-
-
-def _load_open_clip(name: str, pretrained: str | None, device: torch.device):
-    import open_clip
-
+    device = resolve_device(device)
     try:
-        net, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained, device=device)
-    except (RuntimeError, ValueError, FileNotFoundError) as e:
-        raise EvalError(f"open_clip cannot load {name!r} (pretrained={pretrained!r}): {e}") from None
-    return net.eval(), preprocess, open_clip.get_tokenizer(name)
+        random = not has_weights(model, pretrained)
+        net, _, preprocess = diffmm.create_model_and_transforms(model, pretrained, device=device,
+                                                                trust_pickle=trust_pickle, **kwargs)
+    except UnknownModelError as e:
+        raise EvalError(str(e)) from None
+    except PermissionError as e:
+        raise EvalError(f"cannot load model {model!r}: {e}") from None
+    except (FileNotFoundError, KeyError, ValueError, RuntimeError, TypeError, ConnectionError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise EvalError(f"cannot load model {model!r} (pretrained={pretrained!r}): {msg}") from None
+    if random and warn_random:
+        log.warning(random_weights_message(model))
+    if not (callable(getattr(net, "encode_image", None)) and callable(getattr(net, "encode_text", None))):
+        raise EvalError(f"{model!r} builds a {type(net).__name__}, not a CLIP model (no encode_image / encode_text)")
+    return net.eval(), preprocess, tokenizer_for(net)
 
 
 def load_lm(path: str, tokenizer: str | None = None, *, device: str | torch.device | None = None,

@@ -122,7 +122,10 @@ def _detect_open_clip(path: Path) -> bool:
 
 
 def _read_open_clip(path, *, trust_pickle: bool = False, model_name: Optional[str] = None,
-                    quick_gelu: Optional[bool] = None, head_width: int = 64, text_head_width: int = 64, **unused):
+                    quick_gelu: Optional[bool] = None, head_width: int = 64, text_head_width: int = 64,
+                    need_config: bool = True, **unused):
+    """``need_config=False`` (loading into an existing model): a config the shapes cannot tell is None, not an
+    error (head widths are guesses)."""
     from diffmm.models.clip.config import from_open_clip_config
 
     path = _local(path)
@@ -144,8 +147,13 @@ def _read_open_clip(path, *, trust_pickle: bool = False, model_name: Optional[st
         cfg = from_open_clip_config(dict(oc_cfg) if quick_gelu is None else {**oc_cfg, "quick_gelu": quick_gelu},
                                     source=str(path))
     else:
-        cfg = infer_open_clip_config(raw, head_width=head_width, text_head_width=text_head_width,
-                                     quick_gelu=bool(quick_gelu), source=str(path))
+        try:
+            cfg = infer_open_clip_config(raw, head_width=head_width, text_head_width=text_head_width,
+                                         quick_gelu=bool(quick_gelu), source=str(path))
+        except (ValueError, KeyError):
+            if need_config:
+                raise
+            cfg = None
     return open_clip_to_diffmm(raw, source=str(path)), cfg, "clip"
 
 
@@ -156,10 +164,32 @@ def _detect_official(path: Path) -> bool:
     return _has(keys, "image_projection") and _has(keys, "visual.patch_embed.proj.weight")
 
 
-def _read_official(path, *, trust_pickle: bool = False, lambda_init: str | float = "constant", **unused):
+def _read_official(path, *, trust_pickle: bool = False, lambda_init: str | float = "constant",
+                   preprocess: str = "auto", **unused):
+    """``preprocess``: ``'official'`` (ImageNet mean/std, the official tokenizer truncation), ``'openai'`` (diffmm's
+    defaults), or ``'auto'``: official for files written by the official code (SLIP format: ``best_acc1`` or DDP's
+    ``module.`` prefix), diffmm's defaults for a bare state dict (diffmm's own ``DiffCLIP`` has the same layout)."""
     path = Path(path)
     sd = mha_text_to_diffmm(_read_sd(path, trust_pickle), source=str(path))
-    return sd, infer_official_config(sd, lambda_init=lambda_init, source=str(path)), "clip"
+    cfg = infer_official_config(sd, lambda_init=lambda_init, source=str(path))
+    if preprocess not in ("auto", "official", "openai"):
+        raise ValueError(f"preprocess {preprocess!r}; expected auto, official or openai")
+    if preprocess == "official" or (preprocess == "auto" and _written_by_official_code(path)):
+        set_official_preprocessing(cfg)
+    return sd, cfg, "clip"
+
+
+def _written_by_official_code(path: Path) -> bool:
+    keys = peek_keys(path)
+    return "best_acc1" in keys or any(k.startswith("module.") for k in keys)
+
+
+def set_official_preprocessing(cfg) -> None:
+    """The official DiffCLIP preprocessing on a config: ImageNet mean/std and the official tokenizer truncation."""
+    from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD
+
+    cfg.vision_cfg.image_mean, cfg.vision_cfg.image_std = IMAGENET_MEAN, IMAGENET_STD
+    cfg.text_cfg.truncate = "cut"
 
 
 def _detect_timm(path: Path) -> bool:
@@ -277,12 +307,46 @@ def _strict_load(module: nn.Module, sd: dict[str, torch.Tensor], source: str) ->
 
 def load_weights_into(model: nn.Module, path, *, trust_pickle: bool = False, **kw) -> nn.Module:
     """Load a checkpoint into an existing ``DiffCLIP`` (strict; a timm ViT checkpoint fills only ``visual``)."""
-    sd, _, towers, name = read_clip_weights(path, trust_pickle=trust_pickle, **kw)
-    if towers == "visual":
-        _strict_load(model.visual, sd, f"{path} ({name}, image tower)")
-    else:
-        _strict_load(model, sd, f"{path} ({name})")
+    load_weights_and_config(model, path, trust_pickle=trust_pickle, **kw)
     return model
+
+
+def load_weights_and_config(model: nn.Module, path, *, trust_pickle: bool = False, **kw) -> tuple[str, Any]:
+    """:func:`load_weights_into`, returning ``(source name, the config the file describes or None)``."""
+    sd, cfg, towers, name = read_clip_weights(path, trust_pickle=trust_pickle, need_config=False, **kw)
+    target = model.visual if towers == "visual" else model
+    where = f"{path} ({name}, image tower)" if towers == "visual" else f"{path} ({name})"
+    check_attention_types(target, sd, where)
+    _strict_load(target, sd, where)
+    return name, cfg
+
+
+def check_attention_types(model: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
+    """One-line error when standard-attention weights meet differential layers (or the reverse), before the strict
+    load would list every lambda key as missing."""
+    def differential(keys) -> bool:
+        return any(k.endswith("attn.lambda_q1") for k in keys)
+
+    model_diff, file_diff = differential(model.state_dict()), differential(sd)
+    if model_diff and not file_diff:
+        raise ValueError(f"{source} holds standard-attention weights, but the model has differential attention; to "
+                         f"start a DiffCLIP from a standard CLIP, load the file into the standard model it came from "
+                         f"(e.g. model_name OpenCLIP-Tiny / CLIP-Tiny / open_clip:NAME) and convert it with "
+                         f"swap: {{init: upcycle}} (CLIPModule or diffmm.create_model(..., swap=...)), or call "
+                         f"diffmm.swap_attention(model, init='upcycle')")
+    if file_diff and not model_diff:
+        raise ValueError(f"{source} holds differential-attention weights (lambda vectors), but the model has standard "
+                         f"attention; load it into a DiffCLIP config, or pass the file itself as the model")
+
+
+def read_state_dict(path, *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint file's state dict as saved (unwrapped from ``state_dict`` / ``model``; ``module.`` stripped)."""
+    return _read_sd(Path(path), trust_pickle)
+
+
+def strict_load(module: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``sd`` into ``module``: one error naming missing, unexpected and mis-shaped keys, else a strict load."""
+    _strict_load(module, sd, source)
 
 
 def load_clip(path, *, trust_pickle: bool = False, overrides: Optional[dict] = None, source: Optional[str] = None,

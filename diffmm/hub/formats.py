@@ -38,7 +38,8 @@ def _ensure_registered() -> None:
     # Import the modules that register formats. Each is optional so a missing extra does not break the rest.
     import importlib
 
-    for mod in ("diffmm.hub.difflama", "diffmm.hub.diffmm_export", "diffmm.hub.clip_formats"):
+    for mod in ("diffmm.hub.lightning_ckpt", "diffmm.hub.difflama", "diffmm.hub.diffmm_export",
+                "diffmm.hub.clip_formats"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

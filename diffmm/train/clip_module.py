@@ -35,14 +35,42 @@ def _context_length(model: nn.Module) -> Optional[int]:
     return int(n) if n is not None else None
 
 
+def _typed(options: Optional[dict]) -> Optional[dict]:
+    """Values of a dict option given on the command line arrive as strings (``--model.init_args.swap.seed 3``):
+    read each string as a YAML scalar, as the same value written in the config file would be."""
+    if not options:
+        return options
+    import yaml
+
+    out = {}
+    for key, value in dict(options).items():
+        if isinstance(value, str):
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = value
+            value = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
+        out[key] = value
+    return out
+
+
 class CLIPModule(TrainModule):
     """Trains a CLIP-style model (``encode_image``, ``encode_text``, ``logit_scale``) on (images, tokens) batches.
 
     Args:
-        model_name: a diffmm model config (``diffmm.list_models()``), e.g. ``DiffCLIP-Tiny`` or ``CLIP-Tiny``.
-        model_kwargs: extra keyword arguments of ``diffmm.create_model``.
-        pretrained: initial weights (anything ``diffmm.create_model(pretrained=...)`` accepts).
-        model: an already built model (Python use; overrides ``model_name``).
+        model_name: any name ``diffmm.create_model`` accepts: a diffmm config (``diffmm.list_models()``, e.g.
+            ``DiffCLIP-Tiny``, ``CLIP-Tiny``, ``OpenCLIP-ViT-B-16``), ``open_clip:NAME``, or a checkpoint path.
+        model_kwargs: extra keyword arguments of ``diffmm.create_model`` (config overrides).
+        pretrained: initial weights (anything ``diffmm.create_model(pretrained=...)`` accepts: open_clip, timm,
+            official DiffCLIP, diffmm export, a Lightning ``.ckpt``).
+        swap: convert the attention after ``pretrained`` is loaded: keyword arguments of ``diffmm.swap_attention``
+            (``attention``: ``diff`` | ``diff_v2``, ``towers``, ``layers``, ``init``: ``upcycle`` | ``scratch``,
+            ``lambda_init``, ``seed``). ``{init: upcycle}`` fine-tunes a pretrained CLIP as a DiffCLIP whose first
+            outputs (and loss) are the pretrained model's. Checkpoints hold the swapped model and its config, so they
+            resume and load (``diffmm eval --model last.ckpt``) without the pretrained file.
+        trust_pickle: allow a ``pretrained`` file that needs full unpickling (the official DiffCLIP
+            ``checkpoint_best.pt``); only for files you trust.
+        model: an already built model (Python use; overrides ``model_name``; ``swap`` still applies).
         local_loss: compute only this rank's rows of the logit matrix (open_clip ``--local-loss``).
         gather_with_grad: gather features across ranks with gradients (exact combined-batch gradients).
         lr, min_lr, weight_decay, betas, eps, warmup_steps, warmup_epochs, total_steps: optimizer recipe
@@ -56,12 +84,14 @@ class CLIPModule(TrainModule):
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
                  pretrained: Optional[str] = None, model: Optional[nn.Module] = None, *,
+                 swap: Optional[dict] = None, trust_pickle: bool = False,
                  local_loss: bool = False, gather_with_grad: bool = True,
                  lr: float = 5e-4, min_lr: float = 1e-5, weight_decay: float = 0.5,
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
                  warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
                  no_decay: Optional[list[str]] = None, zeroshot: Optional[dict] = None) -> None:
+        swap, zeroshot = _typed(swap), _typed(zeroshot)  # before save_hyperparameters: checkpoints keep typed values
         super().__init__(lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps,
                          warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
                          grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)
@@ -69,16 +99,27 @@ class CLIPModule(TrainModule):
         if model is None:
             import diffmm
 
-            kwargs = dict(model_kwargs or {})
-            if pretrained:
-                kwargs["pretrained"] = pretrained
-            model = diffmm.create_model(model_name, **kwargs)
+            model = diffmm.create_model(model_name, pretrained or None, swap=swap, trust_pickle=trust_pickle,
+                                        **dict(model_kwargs or {}))
+        elif swap:
+            from diffmm.models.clip.factory import apply_swap
+
+            apply_swap(model, swap)
         for attr in ("encode_image", "encode_text", "logit_scale"):
             if not hasattr(model, attr):
                 raise TypeError(f"CLIPModule: {type(model).__name__} has no {attr!r}; expected open_clip's model interface")
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the config of diffmm's CLIP (swapped layers and preprocessing included) so that
+        ``diffmm.load_pretrained`` / ``diffmm eval --model CKPT`` rebuild the model without the training code."""
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
+            from diffmm.hub.lightning_ckpt import MODEL_CONFIG_KEY
+
+            checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
     # ----- what the data module is linked to ----------------------------------------------------
     @property

@@ -19,6 +19,16 @@ from typing import Any, Optional, Union
 AttnType = Union[str, list]
 LOGIT_SCALE_INIT = math.log(1 / 0.07)
 LOGIT_SCALE_MAX = 100.0
+#: image normalisation of OpenAI's CLIP (open_clip's default; diffmm's when a config names none)
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+#: ImageNet's, used by the official DiffCLIP code (SLIP's data pipeline; SPEC section 3)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+#: how captions longer than the context are cut: ``'eot'`` keeps the end-of-text token last (open_clip),
+#: ``'cut'`` keeps the first ``context_length`` tokens as they are (the official DiffCLIP / SLIP tokenizer; the EOT
+#: token may be cut off, and pooling takes the largest id of what remains)
+TRUNCATE_MODES = ("eot", "cut")
 
 
 @dataclass
@@ -37,6 +47,8 @@ class VisionCfg:
         qkv_bias / proj_bias: attention projection biases.
         norm_eps: LayerNorm eps.
         pool_type: ``'tok'`` (CLS token) or ``'avg'`` (mean of the patch tokens).
+        image_mean / image_std: normalisation of the model's preprocessing (None: OpenAI CLIP's; the official
+            DiffCLIP checkpoints use ImageNet's). Every path (eval, classify, export, ``load_pretrained``) reads it.
     """
 
     image_size: int = 224
@@ -54,6 +66,18 @@ class VisionCfg:
     proj_bias: bool = True
     norm_eps: float = 1e-5
     pool_type: str = "tok"
+    image_mean: Optional[tuple] = None
+    image_std: Optional[tuple] = None
+
+    @property
+    def mean(self) -> tuple:
+        """The normalisation mean of the preprocessing (OpenAI CLIP's unless the config names one)."""
+        return tuple(self.image_mean) if self.image_mean is not None else OPENAI_MEAN
+
+    @property
+    def std(self) -> tuple:
+        """The normalisation std of the preprocessing (OpenAI CLIP's unless the config names one)."""
+        return tuple(self.image_std) if self.image_std is not None else OPENAI_STD
 
     @property
     def heads(self) -> int:
@@ -73,6 +97,8 @@ class TextCfg:
         width / heads / layers / mlp_ratio: standard heads (a differential layer has heads // 2).
         attn_type / lambda_init / qkv_bias / proj_bias / norm_eps: as in :class:`VisionCfg`.
         act: MLP activation (``'quick_gelu'`` = ``x * sigmoid(1.702 x)``, DiffCLIP / OpenAI CLIP).
+        truncate: the tokenizer's rule for captions over ``context_length`` tokens (:data:`TRUNCATE_MODES`):
+            ``'eot'`` (open_clip: EOT kept last) or ``'cut'`` (the official DiffCLIP tokenizer).
     """
 
     context_length: int = 77
@@ -87,6 +113,7 @@ class TextCfg:
     qkv_bias: bool = True
     proj_bias: bool = True
     norm_eps: float = 1e-5
+    truncate: str = "eot"
 
 
 @dataclass
@@ -141,6 +168,12 @@ class CLIPConfig:
                              f"patch_size {v.patch_size}")
         if t.width % t.heads:
             raise ValueError(f"{source}: text_cfg.width {t.width} is not divisible by heads {t.heads}")
+        if t.truncate not in TRUNCATE_MODES:
+            raise ValueError(f"{source}: text_cfg.truncate {t.truncate!r}; expected one of {', '.join(TRUNCATE_MODES)}")
+        for key in ("image_mean", "image_std"):
+            val = getattr(v, key)
+            if val is not None and (not isinstance(val, (list, tuple)) or len(val) != 3):
+                raise ValueError(f"{source}: vision_cfg.{key} {val!r}; expected three numbers (R, G, B) or null")
         if v.pool_type not in ("tok", "avg"):
             raise ValueError(f"{source}: vision_cfg.pool_type {v.pool_type!r}; expected 'tok' or 'avg'")
         for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
@@ -215,7 +248,8 @@ def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
                        width=v.get("width", 768), layers=v.get("layers", 12), head_width=v.get("head_width", 64),
                        mlp_ratio=v.get("mlp_ratio", 4.0), attn_type="standard", act=act,
                        pre_norm=not v.get("no_ln_pre", False), patch_bias=False,
-                       pool_type=v.get("pool_type", "tok"))
+                       pool_type=v.get("pool_type", "tok"),
+                       image_mean=_tuple_or_none(v.get("image_mean")), image_std=_tuple_or_none(v.get("image_std")))
     text = TextCfg(context_length=t.get("context_length", 77), vocab_size=t.get("vocab_size", 49408),
                    width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
                    mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
@@ -223,6 +257,10 @@ def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
                      init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT))
     cfg.validate(source)
     return cfg
+
+
+def _tuple_or_none(x):
+    return tuple(x) if x is not None else None
 
 
 def _first(x):

@@ -24,3 +24,37 @@ def clip_transforms(image_size: int, *, mean: Optional[tuple] = None, std: Optio
     train = image_transform(image_size, is_train=True, mean=mean, std=std, aug_cfg=aug)
     val = image_transform(image_size, is_train=False, mean=mean, std=std)
     return train, val
+
+
+def image_size_of(model) -> int:
+    """Input side of a model's image tower: diffmm configs, open_clip (``visual.image_size``) or timm ViTs."""
+    cfg = getattr(model, "config", None)
+    vision = getattr(cfg, "vision_cfg", None) or getattr(model, "cfg", None)  # DiffCLIP / diffmm ViT
+    size = getattr(vision, "image_size", None)
+    visual = getattr(model, "visual", None)
+    if size is None:
+        size = getattr(visual, "image_size", None) or getattr(getattr(visual, "patch_embed", None), "img_size", None)
+    if isinstance(size, (tuple, list)):
+        size = size[0]
+    if size is None:
+        raise ValueError(f"cannot tell the image size of {type(model).__name__}")
+    return int(size)
+
+
+def transforms_for(model, *, mean: Optional[tuple] = None, std: Optional[tuple] = None,
+                   aug_cfg: Optional[dict] = None) -> tuple[Callable, Callable]:
+    """(train, val) transforms a built model expects: its image size and its normalisation (diffmm config
+    ``vision_cfg.image_mean`` / ``image_std``, or open_clip's ``visual.preprocess_cfg``); ``mean`` / ``std``
+    override."""
+    vision = getattr(getattr(model, "config", None), "vision_cfg", None) or getattr(model, "cfg", None)
+    if vision is not None and hasattr(vision, "mean"):  # diffmm CLIP or ViT
+        return clip_transforms(image_size_of(model), mean=mean or vision.mean, std=std or vision.std, aug_cfg=aug_cfg)
+    pp = dict(getattr(getattr(model, "visual", None), "preprocess_cfg", None) or {})
+    if pp:  # an open_clip model: its own preprocessing
+        from open_clip.transform import PreprocessCfg, image_transform_v2
+
+        pp.update({k: v for k, v in (("mean", mean), ("std", std)) if v is not None})
+        cfg = PreprocessCfg(**pp)
+        aug = {"scale": tuple(DEFAULT_TRAIN_SCALE), **(aug_cfg or {})}
+        return image_transform_v2(cfg, is_train=True, aug_cfg=aug), image_transform_v2(cfg, is_train=False)
+    return clip_transforms(image_size_of(model), mean=mean, std=std, aug_cfg=aug_cfg)
