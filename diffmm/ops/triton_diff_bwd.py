@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from diffmm.ops.triton_diff_fwd import (AUTOTUNE, INTERP_BLOCK_M, INTERP_BLOCK_N, INTERPRET, LOG2E, _kv_range,
-                                        dot_precision)
+                                        dot_precision, length_bucket)
 
 
 def _pre_block(d: int) -> int:
@@ -95,7 +95,7 @@ def _dkdv_step(dk1, dk2, dv, k1, k2, v, q_ptr, g_ptr, lse1_ptr, lse2_ptr, dl1_pt
 @triton.jit(do_not_specialize=["N", "S"])
 def _bwd_dkdv_kernel(Q, K, V, G, LSE1, LSE2, DL1, DL2, LAM, KMASK, DK, DV,
                      sqb, sqn, sqh, skb, sks, skh, svb, svs, svh, smb,
-                     N, S, H, REP, qk_scale, sm_scale,
+                     N, S, H, REP, qk_scale, sm_scale, N_BKT, S_BKT,
                      D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PREC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_N), h_kv, B). dK/dV have k's/v's strides; one program owns its rows, so no atomics."""
@@ -193,7 +193,7 @@ def _dq_step(dq1, dq2, q1, q2, g, lse1, lse2, dl1, dl2, lam, k_ptr, v_ptr, km_pt
 @triton.jit(do_not_specialize=["N", "S"])
 def _bwd_dq_kernel(Q, K, V, G, LSE1, LSE2, DL1, DL2, LAM, KMASK, DQ,
                    sqb, sqn, sqh, skb, sks, skh, svb, svs, svh, smb,
-                   N, S, H, REP, qk_scale, sm_scale,
+                   N, S, H, REP, qk_scale, sm_scale, N_BKT, S_BKT,
                    D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N, BLOCK_M), h, B). dQ has q's strides."""
@@ -248,7 +248,7 @@ _BWD_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_s
 if INTERPRET:
     _dkdv_kernel, _dq_kernel = _bwd_dkdv_kernel, _bwd_dq_kernel
 else:
-    _key = ["N", "S", "D", "CAUSAL", "HAS_PAD", "PREC"]
+    _key = ["N_BKT", "S_BKT", "D", "CAUSAL", "HAS_PAD", "PREC"]  # lengths bucketed (length_bucket)
     # dK/dV keep (BLOCK_N, 4D) fp32 accumulators; dQ keeps (BLOCK_M, 2D) plus a (BLOCK_M, 2D) G tile.
     _dkdv_kernel = triton.autotune(_BWD_CONFIGS, key=_key, prune_configs_by={
         "early_config_prune": _prune_bwd(lambda c, D: c.kwargs["BLOCK_N"] * 4 * D)})(_bwd_dkdv_kernel)
@@ -287,7 +287,8 @@ def diff_attn_bwd(dy, q, k, v, lam, w, key_mask, o1, o2, lse1, lse2, rstd, causa
                                    dy.stride(0), dy.stride(1), dy.stride(2), N, h,
                                    D=d, NORM=bool(norm), BLOCK_M=pre_block, **({} if INTERPRET else {"num_warps": 8}))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              v.stride(0), v.stride(1), v.stride(2), smb, N, S, h, h // h_kv, d ** -0.5 * LOG2E, d ** -0.5)
+              v.stride(0), v.stride(1), v.stride(2), smb, N, S, h, h // h_kv, d ** -0.5 * LOG2E, d ** -0.5,
+              length_bucket(N), length_bucket(S))
     flags = dict(D=d, CAUSAL=bool(causal), HAS_PAD=key_mask is not None, PREC=dot_precision(q.dtype))
     if INTERPRET:
         blk = dict(BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N)

@@ -97,7 +97,7 @@ def _fwd_step(acc1, acc2, l1, l2, m1, m2, q1, q2, k_ptr, v_ptr, km_ptr, start_n,
 @triton.jit(do_not_specialize=["N", "S"])  # one compile serves every sequence length
 def _diff_fwd_kernel(Q, K, V, LAM, W, KMASK, Y, O1, O2, LSE1, LSE2, RSTD,
                      sqb, sqn, sqh, skb, sks, skh, svb, svs, svh, syb, syn, syh, smb,
-                     N, S, H, REP, qk_scale, eps,
+                     N, S, H, REP, qk_scale, eps, N_BKT, S_BKT,
                      D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, NORM: tl.constexpr,
                      PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N, BLOCK_M), h, B). Writes Y (B, N, h, 2D), O1/O2 (B, h, N, 2D) fp32, LSEs and rstd (B, h, N)."""
@@ -177,8 +177,14 @@ _FWD_CONFIGS = [
 if INTERPRET:
     _fwd_kernel = _diff_fwd_kernel
 else:
-    _fwd_kernel = triton.autotune(_FWD_CONFIGS, key=["N", "S", "D", "CAUSAL", "HAS_PAD", "NORM", "PREC"],
+    _fwd_kernel = triton.autotune(_FWD_CONFIGS, key=["N_BKT", "S_BKT", "D", "CAUSAL", "HAS_PAD", "NORM", "PREC"],
                                   prune_configs_by={"early_config_prune": _prune_fwd})(_diff_fwd_kernel)
+
+
+def length_bucket(n: int) -> int:
+    """The autotune key of a sequence length: the next power of two (at least 16), so that prompts of
+    varying length (and each decode step's growing S) reuse one tuned tile instead of re-benchmarking."""
+    return triton.next_power_of_2(max(int(n), 16))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -212,7 +218,7 @@ def diff_attn_fwd(q, k, v, lam, w, key_mask, causal: bool, norm: bool, eps: floa
     args = (q, k, v, lam, w_arg, km, y, o1, o2, lse1, lse2, rstd,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), y.stride(0), y.stride(1), y.stride(2), smb,
-            N, S, h, h // h_kv, d ** -0.5 * LOG2E, float(eps))
+            N, S, h, h // h_kv, d ** -0.5 * LOG2E, float(eps), length_bucket(N), length_bucket(S))
     flags = dict(D=d, CAUSAL=bool(causal), HAS_PAD=key_mask is not None, NORM=bool(norm),
                  PREC=dot_precision(q.dtype))
     if INTERPRET:
