@@ -16,12 +16,17 @@ What it adds to a plain LightningCLI:
   ``trainer.logger`` is given;
 * atomic checkpoint writes (:class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`); ``--ckpt_path last``
   resumes from the newest *intact* checkpoint (a damaged ``last.ckpt`` falls back with a warning);
-* links from the model to the data: ``context_length``, ``image_size``, ``tokenizer``;
+* links from the model to the data: ``context_length``, ``image_size``, ``tokenizer`` and the model's
+  preprocessing, ``image_mean``, ``image_std``, ``truncate`` (:data:`LINKED`). A linked data argument is the
+  model's: setting it in the data config to a different value is an error (one line naming both), not a silent
+  override;
 * bad configs end with one ``error:`` line (set ``DIFFMM_TRACEBACK=1`` for the traceback).
 """
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 import os
 import sys
 import warnings
@@ -47,6 +52,9 @@ log = logging.getLogger("diffmm.train")
 NEEDS_LOGGER = (LearningRateMonitor, DeviceStatsMonitor)
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: model attributes linked to the data module's arguments of the same names (the data module's transforms and
+#: tokenizer follow the model: an official DiffCLIP checkpoint trains with ImageNet mean/std and ``truncate: cut``)
+LINKED = ("context_length", "image_size", "tokenizer", "image_mean", "image_std", "truncate")
 
 
 def _checkpoint_dirs(config: Any) -> tuple[str, str]:
@@ -76,7 +84,7 @@ class DiffmmCLI(LightningCLI):
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_lightning_class_args(DataStatsMonitor, "data_stats")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
-        for key in ("context_length", "image_size", "tokenizer"):
+        for key in LINKED:
             parser.link_arguments(f"model.{key}", f"data.init_args.{key}", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
@@ -85,6 +93,7 @@ class DiffmmCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         data = config.get("data")
         init = getattr(data, "init_args", None) or {}
+        self._data_given = _given_linked_values(data)
         for key in ("train_shards", "val_shards", "test_shards", "predict_shards"):
             spec = init.get(key) if hasattr(init, "get") else None
             if spec:
@@ -94,6 +103,15 @@ class DiffmmCLI(LightningCLI):
             newest = resume_checkpoint(*_checkpoint_dirs(config), move_damaged=is_global_zero_env())
             if newest is not None:
                 config["ckpt_path"] = newest
+
+    def after_instantiate_classes(self) -> None:
+        # jsonargparse overwrites a linked data argument with the model's value, whatever the data config said:
+        # a value the user set that differs from the model's is an error instead of a silent change
+        for key, given in getattr(self, "_data_given", {}).items():
+            linked = getattr(self.model, key, None)
+            if linked is not None and not _same_value(given, linked):
+                raise ConfigError(f"data.{key} is {_show(given)} but the model's {key} is {_show(linked)}; data.{key} "
+                                  f"is linked from the model: remove it from the data config (or change the model)")
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads a named checkpoint's hyperparameters right after parsing: check the file first,
@@ -125,6 +143,39 @@ class DiffmmCLI(LightningCLI):
         if not config.get("plugins"):
             config["plugins"] = [AtomicCheckpointIO()]
         return super()._instantiate_trainer(config, callbacks)
+
+
+def _given_linked_values(data: Any) -> dict[str, Any]:
+    """The :data:`LINKED` arguments the data config sets to something other than the data class's defaults (diffmm's
+    data modules default them to None, so every value written in the config counts)."""
+    class_path = getattr(data, "class_path", None)
+    init = getattr(data, "init_args", None)
+    if not isinstance(class_path, str) or "." not in class_path or init is None:
+        return {}
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+    return {key: init[key] for key in LINKED
+            if key in params and key in init and not _same_value(init[key], params[key].default)}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal config values: sequences element-wise (floats to 1e-6), strings naming one file as the same path."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    if isinstance(a, str) and isinstance(b, str) and a != b and os.path.isfile(a) and os.path.isfile(b):
+        return os.path.samefile(a, b)
+    return a == b
+
+
+def _show(value: Any) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
 def run_cli(argv: list[str], **kwargs: Any):

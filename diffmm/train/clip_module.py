@@ -137,6 +137,29 @@ class CLIPModule(TrainModule):
         """Tokenizer spec of the captions (CLIP BPE)."""
         return "clip"
 
+    @property
+    def image_mean(self) -> tuple[float, ...]:
+        """Image normalisation mean the model expects (linked to the data module; see
+        :func:`~diffmm.models.clip.transforms.normalization_of`)."""
+        from diffmm.models.clip.transforms import normalization_of
+
+        return normalization_of(self.model)[0]
+
+    @property
+    def image_std(self) -> tuple[float, ...]:
+        """Image normalisation std the model expects (linked to the data module)."""
+        from diffmm.models.clip.transforms import normalization_of
+
+        return normalization_of(self.model)[1]
+
+    @property
+    def truncate(self) -> str:
+        """How captions over the context are cut, ``'eot'`` or ``'cut'`` (linked to the data module; see
+        :func:`~diffmm.models.clip.factory.truncate_of`)."""
+        from diffmm.models.clip.factory import truncate_of
+
+        return truncate_of(self.model)
+
     def extra_no_decay(self) -> tuple[str, ...]:
         return ("logit_scale", *(self.hparams.get("no_decay") or ()))
 
@@ -196,8 +219,7 @@ class CLIPModule(TrainModule):
             return
         if self.sharded():
             return  # sharded parameters: the unwrapped model cannot run alone
-        results = self.zeroshot.run(self.model, epoch=self.current_epoch, device=self.device, image_size=self.image_size,
-                                    context_length=self.context_length or 77, rank=self.global_rank)
+        results = self.zeroshot.run(self.model, epoch=self.current_epoch, device=self.device, rank=self.global_rank)
         if results:
             self.log_dict({f"zeroshot/{k}": float(v) for k, v in results.items()}, sync_dist=False, rank_zero_only=True)
 

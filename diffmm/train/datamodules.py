@@ -1,7 +1,7 @@
 """LightningDataModules over ``diffmm.data``: image-text shards (CLIP) and text shards (LMs).
 
-The tokenizer, context length and image size are linked from the model by the CLI
-(``diffmm.train.cli``), so a config names them once. Training loaders are
+The tokenizer, context length, image size and the model's preprocessing (image mean/std, caption
+truncation) are linked from the model by the CLI (``diffmm.train.cli``), so a config names them once. Training loaders are
 :class:`~diffmm.train.resume.ResumableLoader`\\ s: Lightning saves their position (epoch, batches
 consumed) in every checkpoint through the stateful-dataloader protocol and ``fit --ckpt_path``
 restores it. Shards need no ``sizes.json``: they are counted once and cached
@@ -207,7 +207,15 @@ class ImageTextDataModule(ShardDataModule):
         train_weights: per-source sampling weights (``resampled`` only).
         shuffle_buffer: sample shuffle buffer.
         val_samples: evaluation samples per epoch over all ranks (default: all).
-        image_size, context_length, tokenizer: linked from the model by the CLI.
+        image_size, context_length, tokenizer: linked from the model by the CLI (None: 224, 77, ``clip``).
+        image_mean, image_std: image normalisation of every stage (train/val/test/predict); linked from the
+            model by the CLI (its config's ``vision_cfg.image_mean`` / ``image_std``, or an open_clip model's
+            ``preprocess_cfg``); None: OpenAI CLIP's.
+        truncate: how captions over ``context_length`` tokens are cut: ``eot`` (open_clip: end-of-text kept last)
+            or ``cut`` (the official DiffCLIP tokenizer); linked from the model's ``text_cfg.truncate`` by the CLI
+            (None: ``eot``).
+
+    Under the CLI the linked arguments are the model's: a different value set in the data config is an error.
         crop_scale: RandomResizedCrop area range (DiffCLIP: 0.5-1.0).
         text_field: caption extension in the shards.
         max_member_bytes: skip samples with a tar member larger than this, without reading it
@@ -222,8 +230,10 @@ class ImageTextDataModule(ShardDataModule):
                  test_shards: Optional[str] = None, predict_shards: Optional[str] = None, batch_size: int = 64,
                  val_batch_size: Optional[int] = None, num_workers: int = 2, seed: int = 0, resampled: bool = False,
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
-                 shuffle_buffer: int = 1000, val_samples: Optional[int] = None, image_size: Optional[int] = 224,
-                 context_length: Optional[int] = 77, tokenizer: Optional[str] = "clip",
+                 shuffle_buffer: int = 1000, val_samples: Optional[int] = None, image_size: Optional[int] = None,
+                 context_length: Optional[int] = None, tokenizer: Optional[str] = None,
+                 image_mean: Optional[tuple[float, float, float]] = None,
+                 image_std: Optional[tuple[float, float, float]] = None, truncate: Optional[str] = None,
                  crop_scale: tuple[float, float] = (0.5, 1.0), text_field: str = "txt",
                  max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, max_image_pixels: Optional[int] = MAX_IMAGE_PIXELS,
                  pipe_timeout: Optional[float] = PIPE_TIMEOUT) -> None:
@@ -233,17 +243,42 @@ class ImageTextDataModule(ShardDataModule):
         self.max_image_pixels = max_image_pixels
         if tokenizer not in (None, "clip", "clip-bpe"):
             raise ConfigError(f"data.tokenizer {tokenizer!r}: image-text training uses the CLIP BPE ('clip')")
+        from diffmm.models.clip.config import OPENAI_MEAN, OPENAI_STD, TRUNCATE_MODES
+
         self.image_size, self.context_length = image_size or 224, context_length or 77
+        self.image_mean = _normalisation(image_mean, OPENAI_MEAN, "data.image_mean")
+        self.image_std = _normalisation(image_std, OPENAI_STD, "data.image_std")
+        if any(s <= 0 for s in self.image_std):
+            raise ConfigError(f"data.image_std must be positive, got {list(self.image_std)}")
+        if truncate not in (None, *TRUNCATE_MODES):
+            raise ConfigError(f"data.truncate {truncate!r}; expected one of {', '.join(TRUNCATE_MODES)}")
+        self.truncate = truncate or "eot"
         self.crop_scale, self.text_field = tuple(crop_scale), text_field
 
     def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
         from diffmm.data.image_text import ImageTextDataset
         from diffmm.data.transforms import image_transform
+        from diffmm.models.clip.tokenizer import CLIPTokenizer
 
-        transform = image_transform(self.image_size, train=train, scale=self.crop_scale)
-        return ImageTextDataset(urls, batch_size, transform=transform, context_length=self.context_length,
-                                train=train, text_field=self.text_field, max_image_pixels=self.max_image_pixels,
-                                **kwargs)
+        transform = image_transform(self.image_size, train=train, scale=self.crop_scale, mean=self.image_mean,
+                                    std=self.image_std)
+        tokenizer = CLIPTokenizer(self.context_length, self.truncate)
+        return ImageTextDataset(urls, batch_size, transform=transform, tokenizer=tokenizer,
+                                context_length=self.context_length, train=train, text_field=self.text_field,
+                                max_image_pixels=self.max_image_pixels, **kwargs)
+
+
+def _normalisation(value: Optional[tuple], default: tuple, key: str) -> tuple[float, ...]:
+    """``value`` (or ``default`` when None) as a tuple of 3 floats; a one-line ConfigError naming ``key`` otherwise."""
+    if value is None:
+        return tuple(default)
+    try:
+        out = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != 3:
+        raise ConfigError(f"{key} must be 3 numbers (one per RGB channel), got {value!r}")
+    return out
 
 
 class TextDataModule(ShardDataModule):
@@ -253,8 +288,8 @@ class TextDataModule(ShardDataModule):
         train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size, num_workers, seed,
             resampled, samples_per_epoch (rows), train_weights, shuffle_buffer (documents), val_samples
             (rows): as in :class:`ImageTextDataModule`.
-        context_length: model sequence length (linked from the model).
-        tokenizer: ``clip`` or a ``tokenizer.json`` path (linked from the model).
+        context_length: model sequence length (linked from the model; None: 128).
+        tokenizer: ``clip`` or a ``tokenizer.json`` path (linked from the model; None: ``clip``).
         text_field: document extension in the shards.
         max_member_bytes, pipe_timeout: as in :class:`ImageTextDataModule`.
 
@@ -265,8 +300,8 @@ class TextDataModule(ShardDataModule):
                  test_shards: Optional[str] = None, predict_shards: Optional[str] = None, batch_size: int = 8,
                  val_batch_size: Optional[int] = None, num_workers: int = 1, seed: int = 0, resampled: bool = False,
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
-                 shuffle_buffer: int = 100, val_samples: Optional[int] = None, context_length: Optional[int] = 128,
-                 tokenizer: Optional[str] = "clip", text_field: str = "txt",
+                 shuffle_buffer: int = 100, val_samples: Optional[int] = None, context_length: Optional[int] = None,
+                 tokenizer: Optional[str] = None, text_field: str = "txt",
                  max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, pipe_timeout: Optional[float] = PIPE_TIMEOUT) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
                          num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,

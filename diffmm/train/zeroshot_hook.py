@@ -46,9 +46,12 @@ class ZeroShotHook:
         self.max_batches, self.label_field, self.split = max_batches, label_field, split
         self._warned = False
 
-    def run(self, model: nn.Module, *, epoch: int, device: torch.device, image_size: Optional[int] = None,
-            context_length: int = 77, rank: int = 0) -> dict[str, float]:
-        """Evaluate ``model``; returns ``{"top1": ..., "top5": ...}`` or ``{}`` when skipped."""
+    def run(self, model: nn.Module, *, epoch: int, device: torch.device, context_length: Optional[int] = None,
+            rank: int = 0) -> dict[str, float]:
+        """Evaluate ``model`` with its own preprocessing (image size, mean/std, tokenizer truncation: what
+        ``diffmm eval`` uses); returns ``{"top1": ..., "top5": ...}`` or ``{}`` when skipped.
+
+        ``context_length`` overrides the model's text context."""
         if rank != 0 or (epoch + 1) % self.every_n_epochs:
             return {}
         if not zeroshot_available():
@@ -57,20 +60,20 @@ class ZeroShotHook:
                               stacklevel=2)
                 self._warned = True
             return {}
-        from diffmm.data.tokenizers import clip_tokenizer
-        from diffmm.data.transforms import image_transform
         from diffmm.eval.classnames import get_classnames
         from diffmm.eval.image_sources import open_image_source
         from diffmm.eval.zeroshot import zero_shot
+        from diffmm.models.clip.factory import tokenizer_for
+        from diffmm.models.clip.transforms import transforms_for
 
         names = get_classnames(self.classnames)
-        transform = image_transform(image_size or 224, train=False)
+        _, transform = transforms_for(model)
         source = open_image_source(self.dataset, transform, classnames=names, label_field=self.label_field,
                                    split=self.split, batch_size=self.batch_size, num_workers=self.num_workers)
         was_training = model.training
         model.eval()
         try:
-            result = zero_shot(model, clip_tokenizer(context_length), source, names, self.templates,
+            result = zero_shot(model, tokenizer_for(model, context_length), source, names, self.templates,
                                show_progress=False, max_batches=self.max_batches)
         finally:
             model.train(was_training)

@@ -18,7 +18,7 @@ def test_hook_matches_direct_evaluation(image_text_data):
     model = TinyCLIP().eval()
     names = ["red", "green", "blue"]
     hook = ZeroShotHook(image_text_data[1], names, ["a {} shape"], label_field="json:label", batch_size=8)
-    got = hook.run(model, epoch=0, device=torch.device("cpu"), image_size=16, context_length=16)
+    got = hook.run(model, epoch=0, device=torch.device("cpu"))
     source = open_image_source(image_text_data[1], image_transform(16, train=False), classnames=names,
                                label_field="json:label", batch_size=8, num_workers=0)
     ref = zero_shot(model, clip_tokenizer(16), source, names, ["a {} shape"], show_progress=False)

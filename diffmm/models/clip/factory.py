@@ -248,9 +248,17 @@ def tokenizer_for(model: torch.nn.Module, context_length: Optional[int] = None):
         return open_clip.get_tokenizer(oc_name, context_length=context_length)
     cfg = getattr(model, "config", None)
     if isinstance(cfg, CLIPConfig):
-        return CLIPTokenizer(context_length or cfg.text_cfg.context_length, cfg.text_cfg.truncate)
+        return CLIPTokenizer(context_length or cfg.text_cfg.context_length, truncate_of(model))
     ctx = getattr(model, "context_length", None) or getattr(getattr(model, "text", None), "context_length", None)
-    return CLIPTokenizer(context_length or ctx or 77)
+    return CLIPTokenizer(context_length or ctx or 77, truncate_of(model))
+
+
+def truncate_of(model: torch.nn.Module) -> str:
+    """How a built model's tokenizer cuts captions over the context (``TRUNCATE_MODES``): a diffmm config's
+    ``text_cfg.truncate``, else open_clip's ``'eot'``. :func:`tokenizer_for` and training (``CLIPModule.truncate``)
+    read it."""
+    cfg = getattr(model, "config", None)
+    return cfg.text_cfg.truncate if isinstance(cfg, CLIPConfig) else "eot"
 
 
 def _saved_context_length(name: str) -> int:

@@ -41,20 +41,44 @@ def image_size_of(model) -> int:
     return int(size)
 
 
+def _diffmm_vision_cfg(model):
+    """The ``VisionCfg`` of a diffmm CLIP (``config.vision_cfg``) or ViT (``cfg``), else None."""
+    vision = getattr(getattr(model, "config", None), "vision_cfg", None) or getattr(model, "cfg", None)
+    return vision if vision is not None and hasattr(vision, "mean") else None
+
+
+def _open_clip_preprocess_cfg(model) -> dict:
+    """An open_clip model's ``visual.preprocess_cfg`` (mean, std, interpolation, resize mode), else {}."""
+    return dict(getattr(getattr(model, "visual", None), "preprocess_cfg", None) or {})
+
+
+def normalization_of(model) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(mean, std)`` of the image normalisation a built model expects: a diffmm config's ``vision_cfg.mean`` /
+    ``std`` (CLIP or ViT), open_clip's ``visual.preprocess_cfg``, else OpenAI CLIP's. The one answer to that question:
+    :func:`transforms_for`, evaluation and training (``CLIPModule.image_mean`` / ``image_std``) all read it."""
+    from diffmm.models.clip.config import OPENAI_MEAN, OPENAI_STD
+
+    vision = _diffmm_vision_cfg(model)
+    if vision is not None:
+        return tuple(vision.mean), tuple(vision.std)
+    pp = _open_clip_preprocess_cfg(model)
+    if pp.get("mean") is not None and pp.get("std") is not None:
+        return tuple(float(x) for x in pp["mean"]), tuple(float(x) for x in pp["std"])
+    return OPENAI_MEAN, OPENAI_STD
+
+
 def transforms_for(model, *, mean: Optional[tuple] = None, std: Optional[tuple] = None,
                    aug_cfg: Optional[dict] = None) -> tuple[Callable, Callable]:
-    """(train, val) transforms a built model expects: its image size and its normalisation (diffmm config
-    ``vision_cfg.image_mean`` / ``image_std``, or open_clip's ``visual.preprocess_cfg``); ``mean`` / ``std``
-    override."""
-    vision = getattr(getattr(model, "config", None), "vision_cfg", None) or getattr(model, "cfg", None)
-    if vision is not None and hasattr(vision, "mean"):  # diffmm CLIP or ViT
-        return clip_transforms(image_size_of(model), mean=mean or vision.mean, std=std or vision.std, aug_cfg=aug_cfg)
-    pp = dict(getattr(getattr(model, "visual", None), "preprocess_cfg", None) or {})
-    if pp:  # an open_clip model: its own preprocessing
+    """(train, val) transforms a built model expects: its image size and its normalisation
+    (:func:`normalization_of`); open_clip models keep the rest of their ``visual.preprocess_cfg`` (interpolation,
+    resize mode). ``mean`` / ``std`` override."""
+    model_mean, model_std = normalization_of(model)
+    mean, std = mean or model_mean, std or model_std
+    pp = _open_clip_preprocess_cfg(model)
+    if pp and _diffmm_vision_cfg(model) is None:  # an open_clip model: its own preprocessing
         from open_clip.transform import PreprocessCfg, image_transform_v2
 
-        pp.update({k: v for k, v in (("mean", mean), ("std", std)) if v is not None})
-        cfg = PreprocessCfg(**pp)
+        cfg = PreprocessCfg(**{**pp, "mean": mean, "std": std})
         aug = {"scale": tuple(DEFAULT_TRAIN_SCALE), **(aug_cfg or {})}
         return image_transform_v2(cfg, is_train=True, aug_cfg=aug), image_transform_v2(cfg, is_train=False)
     return clip_transforms(image_size_of(model), mean=mean, std=std, aug_cfg=aug_cfg)
