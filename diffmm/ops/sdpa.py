@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from diffmm.ops._validate import prepare_mask
 from diffmm.ops.combined import combined_diff_attention
-from diffmm.ops.epilogue import diff_epilogue, head_epilogue
+from diffmm.ops.epilogue import diff_epilogue
 
 DEFAULT_LAYOUT = {"cpu": "combined", "cuda": "split"}
-LAYOUTS = ("split", "pair", "combined")
+LAYOUTS = ("split", "pair", "combined", "halves", "flash2d")
 PAIR_MAX_QUERIES = 16
 
 
@@ -41,6 +41,12 @@ def _sdpa(q, k, v, spec, scale, gqa: bool):
             mask = mask.repeat(1, q.shape[1] // mask.shape[1], 1, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=spec.is_causal, scale=scale,
                                           enable_gqa=gqa)
+
+
+def _blocks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, L, 2n, d) interleaved components -> (B, 2n, L, d) in block order (component m of head i at m*n + i)."""
+    B, L, _, d = x.shape
+    return x.view(B, L, n, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * n, L, d)
 
 
 def _layout(device: torch.device, layout: str | None, num_queries: int) -> str:
@@ -64,9 +70,8 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
     scale, gqa = d ** -0.5, h != h_kv
     chosen = _layout(q.device, layout, N)
     if chosen == "combined":
-        a = combined_diff_attention(q, k, v, lam, spec)  # (B, h, N, 2d)
-        return head_epilogue(a, norm_weight=norm_weight, lambda_init=lambda_init, eps=eps,
-                             empty_rows=spec.empty_rows, out_dtype=q.dtype)
+        return combined_diff_attention(q, k, v, lam, spec, norm_weight=norm_weight, lambda_init=lambda_init,
+                                       eps=eps)  # (B, N, h, 2d)
     if chosen == "split":
         va, vb = vt[..., :d], vt[..., d:]  # (B, h_kv, S, d)
         Q = torch.cat([q1, q1, q2, q2], dim=1)  # (B, 4h, N, d)
@@ -75,6 +80,17 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
         O = _sdpa(Q, K, V, spec, scale, gqa)  # (B, 4h, N, d)
         o1 = torch.cat([O[:, :h], O[:, h:2 * h]], dim=-1)  # (B, h, N, 2d)
         o2 = torch.cat([O[:, 2 * h:3 * h], O[:, 3 * h:]], dim=-1)
+    elif chosen == "halves":
+        Q, K = _blocks(q, h), _blocks(k, h_kv)  # (B, 2h, N, d), (B, 2h_kv, S, d): component m of head i at m*h + i
+        va, vb = (x.repeat(1, 2, 1, 1) for x in (vt[..., :d], vt[..., d:]))  # (B, 2h_kv, S, d)
+        Oa, Ob = _sdpa(Q, K, va, spec, scale, gqa), _sdpa(Q, K, vb, spec, scale, gqa)  # (B, 2h, N, d)
+        o1 = torch.cat([Oa[:, :h], Ob[:, :h]], dim=-1)  # (B, h, N, 2d)
+        o2 = torch.cat([Oa[:, h:], Ob[:, h:]], dim=-1)
+    elif chosen == "flash2d":
+        Q = F.pad(_blocks(q, h), (0, d))  # (B, 2h, N, 2d): zero-padded so q, k, v share a head dim (flash)
+        K = F.pad(_blocks(k, h_kv), (0, d))
+        O = _sdpa(Q, K, vt.repeat(1, 2, 1, 1), spec, scale, gqa)  # (B, 2h, N, 2d)
+        o1, o2 = O[:, :h], O[:, h:]
     else:
         o1 = _sdpa(q1, k1, vt, spec, scale, gqa)  # (B, h, N, 2d)
         o2 = _sdpa(q2, k2, vt, spec, scale, gqa)

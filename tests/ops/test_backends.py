@@ -80,13 +80,29 @@ def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, c
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
 
 
-def test_combined_layout_memory_does_not_store_maps():
-    """The autograd graph of the ``combined`` layout keeps only q, k, v and lam, not the N x S maps."""
+def test_combined_layout_memory_does_not_store_maps(monkeypatch):
+    """Above ``SAVE_MAPS_ELEMENTS`` the autograd graph of the ``combined`` layout keeps q, k, v, lam and the
+    (N, h, 2d) pre-norm output, not the N x S maps; below it the maps are kept (and reused by the backward)."""
+    import diffmm.ops.combined as combined
     q, k, v, lam, _ = make_inputs(B=1, N=64, h=2, h_kv=2, d=8)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        diff_attention_sdpa(q, k, v, lam, layout="combined")
+    w = (torch.rand(16, dtype=F64) + 0.5).requires_grad_()
+
+    def saved_sizes():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = diff_attention_sdpa(q, k, v, lam, layout="combined", norm_weight=w, lambda_init=0.3)
+        return saved, out
+
+    monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 0)
+    saved, _ = saved_sizes()
     assert saved and max(saved) <= q.numel()
+    monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 1 << 21)
+    saved, out = saved_sizes()
+    assert max(saved) == 2 * 2 * 64 * 64  # both maps of both heads
+    ref = ops.diff_attention_reference(q, k, v, lam, norm_weight=w, lambda_init=0.3)
+    g = torch.randn(out.shape, dtype=F64)
+    torch.testing.assert_close(torch.autograd.grad((out * g).sum(), (q, k, v, lam, w)),
+                               torch.autograd.grad((ref * g).sum(), (q, k, v, lam, w)), atol=1e-9, rtol=1e-9)
 
 
 def naive_diff_attention(q, k, v, lam, causal=False, mask=None, norm_weight=None, lambda_init=None, eps=1e-5):
