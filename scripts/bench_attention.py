@@ -19,8 +19,17 @@ Two modes, one script (run from the repo root with ``PYTHONPATH=.``):
     attention of equal width; N in {1k, 4k, 16k}, d in {64, 128}, causal and not, 16k tokens per
     batch at width 2048. Results go to a markdown table and, incrementally, to ``--json``.
 
+``--tune``
+    Regenerates the CPU layout table of the ``sdpa`` backend (``diffmm/ops/cpu_tune.json``, shipped with the
+    package; :mod:`diffmm.ops.tune`): every layout (combined, split, pair, halves, flash2d) of the whole op
+    (fused head norm included), forward alone (no grad) and forward+backward, per mask kind, on the shapes of
+    diffmm's models and a sweep of N and d, at each ``--threads`` count; layouts are timed in interleaved
+    rounds in one process and the median wins. Prints the table with each layout's time relative to the best.
+
 Examples::
 
+    PYTHONPATH=. python scripts/bench_attention.py --tune                     # writes diffmm/ops/cpu_tune.json
+    PYTHONPATH=. python scripts/bench_attention.py --tune --threads 1 2 --json results/tune_cpu.json
     PYTHONPATH=. python scripts/bench_attention.py --device cpu --quick
     PYTHONPATH=. python scripts/bench_attention.py --device cuda --json /tmp/bench.json
 """
@@ -180,6 +189,111 @@ def cpu_table(rows: list[dict], args) -> str:
         speed = f"{timm[r['N']]['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x" if r["N"] in timm else "-"
         lines.append(f"| {name} | {r['N']} | {r['fwd_ms']:.1f} | {r['fwdbwd_ms']:.1f} | {r['fwd_peak_mb']:.0f} | "
                      f"{r['fwdbwd_peak_mb']:.0f} | {speed} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- tune
+
+# (name, B, N, h, d, mask kinds): the attention calls of diffmm's models (training batches), then a sweep.
+TUNE_MODEL_SHAPES = [
+    ("DiffCLIP-Tiny vision", 64, 65, 2, 32, ("none",)),
+    ("DiffCLIP-Tiny text", 64, 32, 2, 32, ("causal",)),
+    ("DiffCLIP-ViT-B-16 vision", 8, 197, 6, 64, ("none",)),
+    ("DiffCLIP-ViT-B-16 text", 8, 77, 4, 64, ("causal",)),
+    ("DIFF LM 58M", 4, 512, 8, 32, ("causal", "padding")),
+]
+TUNE_SWEEP_N = (64, 256, 1024, 4096)
+
+
+def tune_shapes(quick: bool) -> list[tuple]:
+    shapes = list(TUNE_MODEL_SHAPES)
+    for d, h in ((32, 8), (64, 4)):
+        for N in (TUNE_SWEEP_N[:3] if quick else TUNE_SWEEP_N):
+            shapes.append((f"sweep d={d}", max(1, 2048 // N), N, h, d, ("none", "causal")))
+    return shapes
+
+
+def _tune_case(B, N, h, d, mask, grad, layouts, rounds, clock):
+    """Median ms of each layout for one call (interleaved rounds; order alternates)."""
+    from diffmm.ops.sdpa import diff_attention_sdpa
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, N, 2 * h, d, generator=g, requires_grad=grad)
+    k = torch.randn(B, N, 2 * h, d, generator=g, requires_grad=grad)
+    v = torch.randn(B, N, h, 2 * d, generator=g, requires_grad=grad)
+    lam = torch.tensor(0.3, requires_grad=grad)
+    w = torch.ones(2 * d, requires_grad=grad)
+    dy = torch.randn(B, N, h, 2 * d, generator=g)
+    attn_mask = None
+    if mask == "padding":
+        attn_mask = torch.rand(B, N, generator=g) > 0.1
+        attn_mask[:, -1] = True
+    causal = mask in ("causal", "padding")
+
+    def make(layout):
+        def run():
+            with torch.set_grad_enabled(grad):
+                y = diff_attention_sdpa(q, k, v, lam, causal=causal, attn_mask=attn_mask, norm_weight=w,
+                                        lambda_init=0.2, layout=layout)
+                if grad:
+                    y.backward(dy)
+                    for t in (q, k, v, lam, w):
+                        t.grad = None
+        return run
+    fns = {lay: make(lay) for lay in layouts}
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {lay: [] for lay in layouts}
+    for r in range(rounds):
+        for lay in (layouts if r % 2 == 0 else layouts[::-1]):
+            t0 = clock()
+            fns[lay]()
+            times[lay].append((clock() - t0) * 1e3)
+    return {lay: statistics.median(t) for lay, t in times.items()}
+
+
+def run_tune(args) -> dict:
+    from diffmm.ops.sdpa import LAYOUTS
+    from diffmm.ops.tune import VERSION
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    threads_list = args.threads or [torch.get_num_threads()]
+    if args.clock == "cpu" and any(t != 1 for t in threads_list):
+        print("note: --clock cpu measures the main thread only; it is meaningful with --threads 1", flush=True)
+    layouts = list(LAYOUTS)
+    entries = []
+    t_start = time.time()
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for name, B, N, h, d, masks in tune_shapes(args.quick):
+            for mask in masks:
+                for grad in (True, False):
+                    rounds = args.reps or (3 if B * h * N * N * d > 2 ** 31 else 5)
+                    ms = _tune_case(B, N, h, d, mask, grad, layouts, rounds, clock)
+                    best = min(ms, key=ms.get)
+                    e = {"shape": name, "dtype": "float32", "mask": mask, "grad": grad, "threads": threads, "B": B,
+                         "N": N, "S": N, "h": h, "h_kv": h, "d": d, "ms": ms, "best": best,
+                         "loadavg_1m": os.getloadavg()[0]}
+                    entries.append(e)
+                    print(f"  {threads}t {name:26s} B={B:<3d} N={N:<5d} h={h} d={d} {mask:8s} "
+                          f"{'fwd+bwd' if grad else 'fwd    '}: " +
+                          " ".join(f"{lay} {t:.2f}" for lay, t in ms.items()) + f" -> {best} "
+                          f"(load {e['loadavg_1m']:.1f}, {time.time() - t_start:.0f} s)", flush=True)
+    return {"version": VERSION, "device": "cpu", "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "clock": "thread_cpu" if args.clock == "cpu" else "wall", "layouts": layouts, "entries": entries}
+
+
+def tune_table(res: dict) -> str:
+    layouts = res["layouts"]
+    loads = [e["loadavg_1m"] for e in res["entries"]]
+    lines = [f"CPU layout table ({res['clock']} clock, torch {res['torch']}, fp32, median ms; each layout's time "
+             f"relative to the best; 1-min load {min(loads):.1f}-{max(loads):.1f})", "",
+             "| threads | shape | B | N | h | d | mask | pass | " + " | ".join(layouts) + " | best |",
+             "|---:|---|---:|---:|---:|---:|---|---|" + "---:|" * len(layouts) + "---|"]
+    for e in res["entries"]:
+        best = e["ms"][e["best"]]
+        cells = " | ".join(f"{e['ms'][lay] / best:.2f}x" for lay in layouts)
+        lines.append(f"| {e['threads']} | {e['shape']} | {e['B']} | {e['N']} | {e['h']} | {e['d']} | {e['mask']} | "
+                     f"{'fwd+bwd' if e['grad'] else 'fwd'} | {cells} | **{e['best']}** ({best:.1f} ms) |")
     return "\n".join(lines)
 
 
@@ -415,9 +529,29 @@ def main(argv=None) -> int:
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--no-autotune", action="store_true", help="CUDA: first fitting tile, no tuning (fast start)")
     p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--tune", action="store_true", help="regenerate the CPU layout table of the sdpa backend")
+    p.add_argument("--tune-out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "diffmm", "ops", "cpu_tune.json"),
+                   help="--tune: where to write the table (default: the packaged diffmm/ops/cpu_tune.json)")
+    p.add_argument("--threads", type=int, nargs="*", help="--tune: torch thread counts to measure (default: current)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="--tune: wall time (quiet machine), or the main thread's CPU time (busy machine, 1 thread)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.tune:
+        res = run_tune(args)
+        print()
+        print(tune_table(res))
+        with open(args.tune_out, "w") as fh:
+            json.dump(res, fh, indent=1)
+        print(f"\nwrote {args.tune_out}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1)
+        from diffmm.ops.tune import clear_cache
+        clear_cache()
+        return 0
     if args.child:
         print(json.dumps(cpu_child(args.child, args.n[0], args.dim, args.heads, args.causal, args.reps)))
         return 0

@@ -95,7 +95,7 @@ class Runner:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def run(args) -> dict:
@@ -111,15 +111,16 @@ def run(args) -> dict:
             r.step(x, y)
         warm[r.name] = time.perf_counter() - t0
         print(f"  warm-up {r.name}: {warm[r.name]:.1f} s ({params[r.name] / 1e6:.1f}M params)", flush=True)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     loads = []
     for rnd in range(args.rounds):
         order = runners if rnd % 2 == 0 else runners[::-1]  # alternate the order: no model always runs first
         for r in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(args.iters):
                 r.step(x, y)
-            times[r.name].append((time.perf_counter() - t0) / args.iters)
+            times[r.name].append((clock() - t0) / args.iters)
         loads.append(os.getloadavg()[0])
         print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
               f" (load {loads[-1]:.1f})", flush=True)
@@ -133,6 +134,7 @@ def run(args) -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
             platform.machine(), "batch": args.batch, "seq": args.seq, "layers": args.layers, "width": args.width,
             "diff_heads": args.heads, "vocab": args.vocab, "hf_attn": args.hf_attn,
+            "clock": "thread_cpu" if args.cpu_time else "wall",
             "loadavg_1m": [min(loads), max(loads)], "rows": rows}
 
 
@@ -168,7 +170,7 @@ def table(res: dict) -> str:
     lines = [f"CPU, fp32, {res['threads']} threads, torch {res['torch']}, LM {res['layers']} layers x width "
              f"{res['width']}, {res['diff_heads']} differential heads (standard: {2 * res['diff_heads']}), vocab "
              f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; HF attention "
-             f"{res['hf_attn']}; 1-min load {res['loadavg_1m'][0]:.1f}-{res['loadavg_1m'][1]:.1f}", "",
+             f"{res['hf_attn']}; {res['clock']} clock, median of interleaved rounds; 1-min load {res['loadavg_1m'][0]:.1f}-{res['loadavg_1m'][1]:.1f}", "",
              "| model | params (M) | s/step | tokens/s | speed vs HF DiffLlama | speed vs HF Llama |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -191,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads (0 = torch's default)")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the main thread's CPU time (robust on a busy machine; meaningful with --threads 1)")
     p.add_argument("--with-twin", action="store_true", help="also time diffmm's standard-attention LM")
     p.add_argument("--compile", action="store_true", help="also time the DIFF LM under torch.compile")
     p.add_argument("--profile", type=int, default=0, metavar="K",

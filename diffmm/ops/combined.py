@@ -102,14 +102,11 @@ class _Geometry:
         if self.is_causal:  # N == S and s_vis == i1: only the (n, n) diagonal block has hidden keys
             s6[..., i0:s_vis].add_(_causal_bias(n, s.dtype, s.device))
         if self.mask is not None:
-            m = self.mask  # (B|1, 1|h, N|1, S), bool (True = keep) or additive
+            m = self.mask  # (B|1, 1|h, N|1, S), additive
             m = m[:, :, i0:i1] if m.shape[2] > 1 else m
             m = m[..., :s_vis]
             m = m.unflatten(1, (h_kv, g)) if m.shape[1] > 1 else m.unsqueeze(1)  # (B|1, h_kv|1, g|1, n|1, s_vis)
-            if m.dtype == torch.bool:
-                s6.masked_fill_(~m, float("-inf"))
-            else:
-                s6.add_(m.to(s.dtype))
+            s6.add_(m.to(s.dtype))  # additive (bool masks were converted once per call)
         _softmax_out(s, -1, False, out=s)
         return s.view(2, B * h_kv, g * n, s_vis), qc, kc
 
@@ -260,8 +257,18 @@ def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: tor
     return dy.mul(rstd).addcmul_(a, coef), dw
 
 
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool keep-mask as an additive one: 0 where kept, ``finfo.min`` where hidden.
+
+    Finite, so a row whose visible keys are all hidden still has a finite softmax (its output and gradients are
+    zeroed through ``empty_rows``), and an add is cheaper than a masked fill on every chunk.
+    """
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+
 def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
-                            spec: MaskSpec, *, norm_weight: torch.Tensor | None = None,
+                            spec: MaskSpec, *, attn_mask: torch.Tensor | None = None, causal: bool = False,
+                            norm_weight: torch.Tensor | None = None,
                             lambda_init: float | torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """``(P_1 - lam P_2) V`` with the maps combined before V, and the optional fused head epilogue.
 
@@ -269,6 +276,8 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         q: (B, N, 2h, d), k: (B, S, 2h_kv, d), v: (B, S, h_kv, 2d) in the interleaved component layout.
         lam: 0-d tensor.
         spec: the prepared mask (see :func:`diffmm.ops._validate.prepare_mask`).
+        attn_mask, causal: the call's own mask arguments; a bool key-padding mask under a square causal mask
+            keeps the chunked causal path (invisible keys skipped) with the padding as a (B, 1, 1, S) bias.
         norm_weight, lambda_init, eps: as :func:`diffmm.ops.diff_attention`; with ``lambda_init`` the output is
             ``RMSNorm(A) * norm_weight * (1 - lambda_init)``.
     Returns:
@@ -282,6 +291,11 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         w = norm_weight * scale if norm_weight is not None else None
         if w is None and (isinstance(scale, torch.Tensor) or scale != 1.0):
             w = torch.full((2 * q.shape[-1],), 1.0, dtype=compute_dtype(q.dtype), device=q.device) * scale
+    ct = compute_dtype(q.dtype)
+    mask, is_causal = spec.mask, spec.is_causal
+    if (causal and attn_mask is not None and attn_mask.dtype == torch.bool and q.shape[1] == k.shape[1]):
+        mask, is_causal = _additive(attn_mask.to(q.device)[:, None, None, :], ct), True  # (B, 1, 1, S)
+    elif mask is not None and mask.dtype == torch.bool:
+        mask = _additive(mask, ct)
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, w))
-    return _CombinedDiffAttention.apply(q, k, v, lam, w, spec.mask, spec.is_causal, norm, eps, spec.empty_rows,
-                                        grad_wanted)
+    return _CombinedDiffAttention.apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)

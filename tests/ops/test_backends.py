@@ -29,10 +29,12 @@ def run_and_grads(fn, q, k, v, lam, **kw):
     return out, grads
 
 
-UNFUSED = [("sdpa-split", lambda *a, **kw: diff_attention_sdpa(*a, layout="split", **kw)),
-           ("sdpa-pair", lambda *a, **kw: diff_attention_sdpa(*a, layout="pair", **kw)),
-           ("sdpa-combined", lambda *a, **kw: diff_attention_sdpa(*a, layout="combined", **kw)),
-           ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
+def _layout_fn(layout):
+    return lambda *a, **kw: diff_attention_sdpa(*a, layout=layout, **kw)
+
+
+UNFUSED = [(f"sdpa-{lay}", _layout_fn(lay)) for lay in ("split", "pair", "combined", "halves", "flash2d")] + [
+    ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
 
 
 @pytest.mark.parametrize("name,fn", UNFUSED, ids=[n for n, _ in UNFUSED])
@@ -257,3 +259,22 @@ def test_norm_weight_needs_lambda_init_and_right_shape():
         ops.diff_attention(q, k, v, lam, norm_weight=torch.ones(8, dtype=F64), lambda_init=0.2)
     with pytest.raises(ValueError, match=r"lam has shape \(2,\); expected a scalar tensor"):
         ops.diff_attention(q, k, v, torch.ones(2, dtype=F64))
+
+
+@pytest.mark.parametrize("lam,match", [([0.3], r"lam is a list \(\[0.3\]\); expected a float or a 0-d tensor"),
+                                       ("0.5", r"lam is a str \('0.5'\); expected a float or a 0-d tensor"),
+                                       (True, r"lam is a bool"),
+                                       (torch.tensor(1), r"lam has dtype torch.int64; expected a floating-point")])
+def test_bad_lam_is_a_one_line_error(lam, match):
+    q, k, v, _, _ = make_inputs()
+    with pytest.raises(TypeError, match=match) as e:
+        ops.diff_attention(q, k, v, lam)
+    assert "\n" not in str(e.value)
+
+
+def test_zero_head_dim_is_a_one_line_error():
+    q, k, v, lam, _ = make_inputs()
+    with pytest.raises(ValueError, match=r"q has shape \(2, 13, 8, 0\); expected .* head dim d >= 1"):
+        ops.diff_attention(q[..., :0], k[..., :0], v[..., :0], lam)
+    with pytest.raises(ValueError, match=r"q has shape \(2, 13, 8, 0\); expected .* head dim d >= 1"):
+        ops.attention(q[..., :0], k[..., :0], v[..., :0])
