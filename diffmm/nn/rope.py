@@ -104,7 +104,8 @@ class _Rope(torch.autograd.Function):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, N, H, dim) by cos/sin (N or B,N, 1, dim); computed in fp32 (fp64 for fp64 inputs)."""
-    if cos.requires_grad or sin.requires_grad:  # differentiable tables (unusual): plain autograd
+    if cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling():
+        # differentiable tables (unusual), or under torch.compile (inductor fuses the plain formula): autograd
         ct = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(ct)
         return (xf * cos.to(ct) + rotate_half(xf) * sin.to(ct)).to(x.dtype)

@@ -298,4 +298,11 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     elif mask is not None and mask.dtype == torch.bool:
         mask = _additive(mask, ct)
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, w))
-    return _CombinedDiffAttention.apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
+    return _apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
+
+
+@torch.compiler.disable
+def _apply(*args):
+    """The autograd node runs eagerly under ``torch.compile`` (its in-place buffer reuse is not traceable; the
+    projections, norms and MLPs around it still compile)."""
+    return _CombinedDiffAttention.apply(*args)

@@ -15,10 +15,10 @@ Five layouts for the differential call (FLOPs per head in units of N*S*d, forwar
 - ``pair`` (6): two SDPA calls, one per map, each with the 2d-wide V. On CPU the flash kernel needs equal head
   dims, so this falls back to the math kernel (an N x S matrix); on CUDA the memory-efficient kernel takes it.
 
-Which one runs: ``layout=`` / ``DIFFMM_SDPA_LAYOUT`` if given; on CPU the measured table of
-:mod:`diffmm.ops.tune` (``scripts/bench_attention.py --tune`` regenerates it); else the heuristics: for a few
-queries (KV-cache decoding, N <= ``PAIR_MAX_QUERIES``) ``pair`` (the N x S matrix is tiny and ``split`` would copy
-the whole cache to stack it), otherwise ``DEFAULT_LAYOUT`` of the device.
+Which one runs: ``layout=`` / ``DIFFMM_SDPA_LAYOUT`` if given; for a few queries (KV-cache decoding,
+N <= ``PAIR_MAX_QUERIES``) ``pair`` (the N x S matrix is tiny, and the other layouts would copy the whole cache);
+on CPU the measured table of :mod:`diffmm.ops.tune` (``scripts/bench_attention.py --tune`` regenerates it);
+else ``DEFAULT_LAYOUT`` of the device.
 """
 from __future__ import annotations
 
@@ -56,18 +56,21 @@ def _blocks(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _layout(q: torch.Tensor, layout: str | None, spec, B: int, N: int, S: int, h: int, d: int,
             grad: bool) -> str:
-    """The layout for this call: ``layout=``, then ``DIFFMM_SDPA_LAYOUT``, then (CPU) the measured table, then
-    the heuristics (``pair`` for a few queries, else ``DEFAULT_LAYOUT`` of the device)."""
+    """The layout for this call: ``layout=``, then ``DIFFMM_SDPA_LAYOUT``, then ``pair`` for a few queries
+    (decoding), then (CPU) the measured table, then ``DEFAULT_LAYOUT`` of the device."""
     layout = layout or os.environ.get("DIFFMM_SDPA_LAYOUT")
+    if layout is None and N <= PAIR_MAX_QUERIES:
+        layout = "pair"  # decoding: no copy of the KV cache
     if layout is None and q.device.type == "cpu":
         layout = choose_layout(LAYOUTS, B=B, N=N, S=S, h=h, d=d, dtype=q.dtype, mask=mask_kind(spec), grad=grad)
     if layout is None:
-        layout = "pair" if N <= PAIR_MAX_QUERIES else DEFAULT_LAYOUT.get(q.device.type, "split")
+        layout = DEFAULT_LAYOUT.get(q.device.type, "split")
     if layout not in LAYOUTS:
         raise ValueError(f"sdpa layout {layout!r} is unknown; expected one of {', '.join(LAYOUTS)}")
     return layout
 
 
+@torch.compiler.disable  # runs eagerly under torch.compile: layout dispatch (table lookup) and the combined node
 def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weight=None,
                         lambda_init=None, eps=1e-5, layout=None, shapes=None) -> torch.Tensor:
     """Differential attention through SDPA. Shapes as in :func:`diffmm.ops.diff_attention`."""

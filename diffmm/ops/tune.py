@@ -5,8 +5,9 @@
 and writes ``cpu_tune.json`` next to this file (it ships with the package). For a call the dispatcher takes the
 entries of the same mask kind and grad mode (same dtype if measured, else float32; nearest thread count), then
 the nearest shape in log space over (N, S, B*h, d); if even that one is more than 4x away in some size, or the
-table is missing, unreadable or from another format version, the built-in heuristics decide (``combined``
-on CPU, ``pair`` for <= 16 queries). A bad table is reported once as a warning and never breaks a call.
+table is missing, unreadable or from another format version, the built-in default decides (``combined`` on
+CPU). Calls with <= 16 queries (decoding) use ``pair`` before any table is consulted. A bad table is reported
+once as a warning and never breaks a call.
 
 ``DIFFMM_CPU_TUNE=/path/to/table.json`` reads another table; ``DIFFMM_CPU_TUNE=off`` ignores every table.
 ``DIFFMM_SDPA_LAYOUT`` (or ``layout=``) still forces one layout.
