@@ -140,6 +140,33 @@ def cpu_child(impl: str, N: int, dim: int, heads: int, causal: bool, reps: int) 
     return res
 
 
+def profile_cpu(args) -> int:
+    """torch.profiler table (top ``args.profile`` ops by self CPU time) of a few forward+backward passes of each
+    layer in ``--only`` (default: diffmm-auto and standard-sdpa) at each ``--n``, batch ``--batch``."""
+    from torch.profiler import ProfilerActivity, profile
+    impls = args.only.split(",") if args.only else ["diffmm-auto", "standard-sdpa"]
+    for N in args.n or [1024]:
+        for impl in impls:
+            torch.manual_seed(0)
+            layer, extra = _cpu_layer(impl, args.dim, args.heads)
+            layer.train()
+            kw = {"is_causal": args.causal} if "is_causal" in extra else {"causal": args.causal}
+            x = torch.randn(args.batch, N, args.dim, requires_grad=True)
+            dy = torch.randn(args.batch, N, args.dim)
+            for _ in range(2):
+                layer(x, **kw).backward(dy)
+            reps = args.reps or 3
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(reps):
+                    layer(x, **kw).backward(dy)
+            print(f"\n### {impl}: B={args.batch} N={N} width {args.dim}, {args.heads} differential heads, "
+                  f"{'causal' if args.causal else 'non-causal'}, {reps} x forward+backward, "
+                  f"{torch.get_num_threads()} threads (load {os.getloadavg()[0]:.1f})\n")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
+                                            max_name_column_width=40))
+    return 0
+
+
 def run_cpu(args) -> list[dict]:
     impls = args.only.split(",") if args.only else CPU_IMPLS
     Ns = args.n or ([1024, 2048] if args.quick else [1024, 2048, 4096])
@@ -529,6 +556,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--no-autotune", action="store_true", help="CUDA: first fitting tile, no tuning (fast start)")
     p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="CPU: print torch.profiler's top K ops (self CPU time) of each --only layer, instead of timing")
+    p.add_argument("--batch", type=int, default=1, help="CPU --profile: batch size")
     p.add_argument("--tune", action="store_true", help="regenerate the CPU layout table of the sdpa backend")
     p.add_argument("--tune-out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "diffmm", "ops", "cpu_tune.json"),
@@ -539,6 +569,10 @@ def main(argv=None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.profile:
+        if args.threads:
+            torch.set_num_threads(args.threads[0])
+        return profile_cpu(args)
     if args.tune:
         res = run_tune(args)
         print()
