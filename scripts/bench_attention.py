@@ -48,7 +48,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm", "standard-sdpa"]
+CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-sdpa-halves",
+             "diffmm-sdpa-flash2d", "diffmm-reference", "timm", "standard-sdpa"]
 CUDA_IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "sdpa-combined", "official-4call", "standard-sdpa"]
 
 
@@ -127,6 +128,11 @@ def cpu_child(impl: str, N: int, dim: int, heads: int, causal: bool, reps: int) 
         from diffmm.ops import AttentionCall, select_backend
         q = torch.empty(1, N, 2 * heads, dim // (2 * heads))
         res["auto_backend"] = select_backend(AttentionCall("diff", q, None, causal, q.shape[-1], 2 * q.shape[-1])).name
+        if res["auto_backend"] == "sdpa":
+            from diffmm.ops._validate import prepare_mask
+            from diffmm.ops.sdpa import _layout
+            spec = prepare_mask(None, causal, 1, heads, N, N, q.device, q.dtype)
+            res["auto_backend"] += "/" + _layout(q, None, spec, 1, N, N, heads, q.shape[-1], True)
     res["fwd_peak_mb"] = _peak_rise_mb(fwd)
     res["fwdbwd_peak_mb"] = _peak_rise_mb(fwd_bwd)
     for name, fn in (("fwd_ms", fwd), ("fwdbwd_ms", fwd_bwd)):  # the memory runs above were the warm-up
@@ -230,6 +236,7 @@ TUNE_MODEL_SHAPES = [
     ("DIFF LM 58M", 4, 512, 8, 32, ("causal", "padding")),
 ]
 TUNE_SWEEP_N = (64, 256, 1024, 4096)
+PAIR_MAX_TUNE_N = 256
 
 
 def tune_shapes(quick: bool) -> list[tuple]:
@@ -294,7 +301,10 @@ def run_tune(args) -> dict:
             for mask in masks:
                 for grad in (True, False):
                     rounds = args.reps or (3 if B * h * N * N * d > 2 ** 31 else 5)
-                    ms = _tune_case(B, N, h, d, mask, grad, layouts, rounds, clock)
+                    # pair runs the math kernel on CPU (an N x S matrix per head): quadratic memory, never competitive
+                    # beyond short sequences, so it only competes there
+                    cands = [lay for lay in layouts if lay != "pair" or N <= PAIR_MAX_TUNE_N]
+                    ms = _tune_case(B, N, h, d, mask, grad, cands, rounds, clock)
                     best = min(ms, key=ms.get)
                     e = {"shape": name, "dtype": "float32", "mask": mask, "grad": grad, "threads": threads, "B": B,
                          "N": N, "S": N, "h": h, "h_kv": h, "d": d, "ms": ms, "best": best,
@@ -318,7 +328,7 @@ def tune_table(res: dict) -> str:
              "|---:|---|---:|---:|---:|---:|---|---|" + "---:|" * len(layouts) + "---|"]
     for e in res["entries"]:
         best = e["ms"][e["best"]]
-        cells = " | ".join(f"{e['ms'][lay] / best:.2f}x" for lay in layouts)
+        cells = " | ".join(f"{e['ms'][lay] / best:.2f}x" if lay in e["ms"] else "-" for lay in layouts)
         lines.append(f"| {e['threads']} | {e['shape']} | {e['B']} | {e['N']} | {e['h']} | {e['d']} | {e['mask']} | "
                      f"{'fwd+bwd' if e['grad'] else 'fwd'} | {cells} | **{e['best']}** ({best:.1f} ms) |")
     return "\n".join(lines)

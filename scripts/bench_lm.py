@@ -171,12 +171,12 @@ def table(res: dict) -> str:
              f"{res['width']}, {res['diff_heads']} differential heads (standard: {2 * res['diff_heads']}), vocab "
              f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; HF attention "
              f"{res['hf_attn']}; {res['clock']} clock, median of interleaved rounds; 1-min load {res['loadavg_1m'][0]:.1f}-{res['loadavg_1m'][1]:.1f}", "",
-             "| model | params (M) | s/step | tokens/s | speed vs HF DiffLlama | speed vs HF Llama |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| model | params (M) | s/step | tokens/s | speed vs HF DiffLlama | speed vs HF Llama | warm-up s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         ratios = [f"{r[k]:.2f}x" if r[k] is not None else "-" for k in ("speed_vs_difflama", "speed_vs_llama")]
         lines.append(f"| {r['model']} | {r['params_m']:.1f} | {r['sec_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{ratios[0]} | {ratios[1]} |")
+                     f"{ratios[0]} | {ratios[1]} | {r['warmup_s']:.1f} |")
     return "\n".join(lines)
 
 

@@ -162,11 +162,11 @@ def main(argv=None) -> int:
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU ({platform.processor() or platform.machine()})"
           f", fp32, forward+backward+AdamW, {'thread CPU time' if args.cpu_time else 'wall time'}, median of "
           f"interleaved rounds; 1-min load {min(loads):.1f}-{max(loads):.1f}\n")
-    print("| size | model | batch | params (M) | s/step | samples/s | speed vs open_clip |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| size | model | batch | params (M) | s/step | samples/s | speed vs open_clip | warm-up s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['size']} | {r['model']} | {r['batch']} | {r['params_m']:.1f} | {r['sec_per_step']:.3f} "
-              f"| {r['samples_per_s']:.1f} | {r['speed_vs_open_clip']:.2f}x |")
+              f"| {r['samples_per_s']:.1f} | {r['speed_vs_open_clip']:.2f}x | {r['warmup_s']:.1f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
