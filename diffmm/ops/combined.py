@@ -152,11 +152,12 @@ class _CombinedDiffAttention(torch.autograd.Function):
         buf = geo.buffer(q12)
         a = q12.new_empty(B, N, h_kv, g, 2 * d)  # (B, N, h, 2d): the layout of the layer's output
         vb = vt.view(B * h_kv, S, 2 * d)
-        maps = None
+        maps = combined = None
         for i0, i1, s_vis in geo.chunks():
             p, _, _ = geo.scores(buf, q12, k12, i0, i1, s_vis)
-            if geo.keep_maps:
-                maps, pc = p, torch.addcmul(p[0], p[1], neg_lam)
+            if geo.keep_maps:  # the maps and their combination both stay for the backward
+                maps = p
+                pc = combined = torch.addcmul(p[0], p[1], neg_lam)
             else:
                 pc = p[0].addcmul_(p[1], neg_lam)  # P1 - lam P2, in place: (B*h_kv, g*n, s_vis)
             o = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*n, 2d)
@@ -170,7 +171,7 @@ class _CombinedDiffAttention(torch.autograd.Function):
             y, rstd = _norm_forward(a, None if w is None else w.to(ct), eps)
         else:
             y, a = a, None
-        ctx.save_for_backward(q12, k12, vt, lam, w, a, rstd, maps)
+        ctx.save_for_backward(q12, k12, vt, lam, w, a, rstd, maps, combined)
         ctx.geo, ctx.norm, ctx.empty_rows = geo, norm, empty_rows
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype)
         return y.to(q.dtype)
@@ -178,7 +179,7 @@ class _CombinedDiffAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        q12, k12, vt, lam, w, a, rstd, maps = ctx.saved_tensors
+        q12, k12, vt, lam, w, a, rstd, maps, combined = ctx.saved_tensors
         geo = ctx.geo
         B, h_kv, g, N, d, S, h = geo.B, geo.h_kv, geo.g, geo.N, geo.d, geo.S, geo.h
         ct = q12.dtype
@@ -207,7 +208,8 @@ class _CombinedDiffAttention(torch.autograd.Function):
             dp = dp_buf[:B * h * n * s_vis].view(B * h_kv, g * n, s_vis)
             torch.bmm(do, vb[:, :s_vis].transpose(1, 2), out=dp)  # dL/d(P1 - lam P2)
             dlam.add_(torch.vdot(p[1].reshape(-1), dp.view(-1)))  # sum(P2 * dp); dlam = -that
-            _accumulate(dvb, torch.addcmul(p[0], p[1], neg_lam).transpose(1, 2), do, seen, s_vis)
+            pc = combined if combined is not None else torch.addcmul(p[0], p[1], neg_lam)  # P1 - lam P2
+            _accumulate(dvb, pc.transpose(1, 2), do, seen, s_vis)
             # Softmax backward of each map with the same upstream dp (map 2's factor -lam is applied to the
             # small products at the end): ds[m] = P_m * (dp - rowsum(P_m * dp)).
             _softmax_bwd_out(dp, p[0], -1, ct, grad_input=ds[0])
