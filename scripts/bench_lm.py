@@ -7,7 +7,8 @@ weights are loaded three ways:
 - ``HF DiffLlama``: ``DiffLlamaForCausalLM.from_pretrained(folder)`` (``--hf-attn``, default sdpa);
 - ``HF Llama``: ``LlamaForCausalLM`` of the same shape (2h heads of dim d) with the same projection, MLP,
   norm and embedding weights (the lambdas have no place in it), from a second local folder;
-- ``diffmm Transformer`` (``--with-twin``): diffmm's standard-attention LM with those Llama weights.
+- ``diffmm Transformer`` (``--with-twin``): diffmm's standard-attention LM of the same shape (2h heads of dim d),
+  holding the DIFF LM's tensors (a timing twin: same shapes and work, not the same function).
 
 One training step = forward, mean next-token cross entropy, backward, AdamW step (same optimizer settings for
 every model). Models are timed in interleaved rounds and the median per model is reported, so machine noise
