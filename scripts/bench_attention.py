@@ -19,8 +19,17 @@ Two modes, one script (run from the repo root with ``PYTHONPATH=.``):
     attention of equal width; N in {1k, 4k, 16k}, d in {64, 128}, causal and not, 16k tokens per
     batch at width 2048. Results go to a markdown table and, incrementally, to ``--json``.
 
+``--tune``
+    Regenerates the CPU layout table of the ``sdpa`` backend (``diffmm/ops/cpu_tune.json``, shipped with the
+    package; :mod:`diffmm.ops.tune`): every layout (combined, split, pair, halves, flash2d) of the whole op
+    (fused head norm included), forward alone (no grad) and forward+backward, per mask kind, on the shapes of
+    diffmm's models and a sweep of N and d, at each ``--threads`` count; layouts are timed in interleaved
+    rounds in one process and the median wins. Prints the table with each layout's time relative to the best.
+
 Examples::
 
+    PYTHONPATH=. python scripts/bench_attention.py --tune                     # writes diffmm/ops/cpu_tune.json
+    PYTHONPATH=. python scripts/bench_attention.py --tune --threads 1 2 --json results/tune_cpu.json
     PYTHONPATH=. python scripts/bench_attention.py --device cpu --quick
     PYTHONPATH=. python scripts/bench_attention.py --device cuda --json bench_cuda.json
 """
@@ -39,7 +48,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm", "standard-sdpa"]
+CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-sdpa-halves",
+             "diffmm-sdpa-flash2d", "diffmm-reference", "timm", "standard-sdpa"]
 CUDA_IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "sdpa-combined", "official-4call", "standard-sdpa"]
 
 
@@ -118,6 +128,11 @@ def cpu_child(impl: str, N: int, dim: int, heads: int, causal: bool, reps: int) 
         from diffmm.ops import AttentionCall, select_backend
         q = torch.empty(1, N, 2 * heads, dim // (2 * heads))
         res["auto_backend"] = select_backend(AttentionCall("diff", q, None, causal, q.shape[-1], 2 * q.shape[-1])).name
+        if res["auto_backend"] == "sdpa":
+            from diffmm.ops._validate import prepare_mask
+            from diffmm.ops.sdpa import _layout
+            spec = prepare_mask(None, causal, 1, heads, N, N, q.device, q.dtype)
+            res["auto_backend"] += "/" + _layout(q, None, spec, 1, N, N, heads, q.shape[-1], True)
     res["fwd_peak_mb"] = _peak_rise_mb(fwd)
     res["fwdbwd_peak_mb"] = _peak_rise_mb(fwd_bwd)
     for name, fn in (("fwd_ms", fwd), ("fwdbwd_ms", fwd_bwd)):  # the memory runs above were the warm-up
@@ -129,6 +144,33 @@ def cpu_child(impl: str, N: int, dim: int, heads: int, causal: bool, reps: int) 
         res[name] = statistics.median(times)
     res["loadavg_1m"] = os.getloadavg()[0]
     return res
+
+
+def profile_cpu(args) -> int:
+    """torch.profiler table (top ``args.profile`` ops by self CPU time) of a few forward+backward passes of each
+    layer in ``--only`` (default: diffmm-auto and standard-sdpa) at each ``--n``, batch ``--batch``."""
+    from torch.profiler import ProfilerActivity, profile
+    impls = args.only.split(",") if args.only else ["diffmm-auto", "standard-sdpa"]
+    for N in args.n or [1024]:
+        for impl in impls:
+            torch.manual_seed(0)
+            layer, extra = _cpu_layer(impl, args.dim, args.heads)
+            layer.train()
+            kw = {"is_causal": args.causal} if "is_causal" in extra else {"causal": args.causal}
+            x = torch.randn(args.batch, N, args.dim, requires_grad=True)
+            dy = torch.randn(args.batch, N, args.dim)
+            for _ in range(2):
+                layer(x, **kw).backward(dy)
+            reps = args.reps or 3
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(reps):
+                    layer(x, **kw).backward(dy)
+            print(f"\n### {impl}: B={args.batch} N={N} width {args.dim}, {args.heads} differential heads, "
+                  f"{'causal' if args.causal else 'non-causal'}, {reps} x forward+backward, "
+                  f"{torch.get_num_threads()} threads (load {os.getloadavg()[0]:.1f})\n")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
+                                            max_name_column_width=40))
+    return 0
 
 
 def run_cpu(args) -> list[dict]:
@@ -415,9 +457,37 @@ def main(argv=None) -> int:
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--no-autotune", action="store_true", help="CUDA: first fitting tile, no tuning (fast start)")
     p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="CPU: print torch.profiler's top K ops (self CPU time) of each --only layer, instead of timing")
+    p.add_argument("--batch", type=int, default=1, help="CPU --profile: batch size")
+    p.add_argument("--tune", action="store_true", help="regenerate the CPU layout table of the sdpa backend")
+    p.add_argument("--tune-out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "diffmm", "ops", "cpu_tune.json"),
+                   help="--tune: where to write the table (default: the packaged diffmm/ops/cpu_tune.json)")
+    p.add_argument("--threads", type=int, nargs="*", help="--tune: torch thread counts to measure (default: current)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="--tune: wall time (quiet machine), or the main thread's CPU time (busy machine, 1 thread)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.profile:
+        if args.threads:
+            torch.set_num_threads(args.threads[0])
+        return profile_cpu(args)
+    if args.tune:
+        from cpu_tune_grid import run_tune, tune_table  # scripts/cpu_tune_grid.py
+        res = run_tune(args)
+        print()
+        print(tune_table(res))
+        with open(args.tune_out, "w") as fh:
+            json.dump(res, fh, indent=1)
+        print(f"\nwrote {args.tune_out}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1)
+        from diffmm.ops.tune import clear_cache
+        clear_cache()
+        return 0
     if args.child:
         print(json.dumps(cpu_child(args.child, args.n[0], args.dim, args.heads, args.causal, args.reps)))
         return 0

@@ -1,17 +1,24 @@
-"""Forward+backward samples/s of DiffCLIP against open_clip's CLIP of equal size (and diffmm's own CLIP twin).
+"""Training throughput of DiffCLIP against open_clip's CLIP of equal size (and diffmm's own CLIP twin), in one process.
 
-One contrastive training step (both towers, symmetric InfoNCE, AdamW-free: forward + backward only) on random
-images and captions. Models are measured in interleaved rounds and the median per model is reported, so
-machine noise hits all of them alike.
+One contrastive training step per model: both towers, symmetric InfoNCE on normalised features, backward,
+AdamW step (the same optimizer settings for every model), on random images and captions. Models are timed in
+interleaved rounds (the order alternates every round) and the median per model is reported, so machine noise
+hits all of them alike; the 1-minute load average is printed beside the table.
 
-    python scripts/bench_models.py                      # tiny (batch 64) and ViT-B-16 (batch 2)
-    python scripts/bench_models.py --sizes tiny --rounds 7 --json results/bench_models.json
+    PYTHONPATH=. python scripts/bench_models.py                      # tiny (batch 64) and ViT-B-16 (batch 2), 2 threads
+    PYTHONPATH=. python scripts/bench_models.py --sizes tiny --rounds 7 --json results/bench_models.json
+    PYTHONPATH=. python scripts/bench_models.py --sizes tiny --compile    # also torch.compile'd diffmm models
+    PYTHONPATH=. python scripts/bench_models.py --sizes tiny --profile 25 # torch.profiler top ops per model
+    PYTHONPATH=. python scripts/bench_models.py --threads 1 --cpu-time    # on a busy machine: thread CPU time
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from open_clip.model import CLIP
 
-import diffmm
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import diffmm  # noqa: E402
 
 SIZES = {
     # name: (diffmm configs, open_clip config of equal size, batch)
@@ -29,74 +38,140 @@ SIZES = {
                   text_cfg=dict(context_length=32, vocab_size=49408, width=128, heads=4, layers=4)), 64),
     "vit-b-16": (("DiffCLIP-ViT-B-16", "CLIP-ViT-B-16"), "ViT-B-16", 2),
 }
+OPEN_CLIP = "open_clip CLIP"
 
 
-def step(model, img, txt) -> None:
-    i, t = model.encode_image(img, normalize=True), model.encode_text(txt, normalize=True)
-    logits = 14.3 * i @ t.T
-    labels = torch.arange(len(i))
-    ((F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2).backward()
-    model.zero_grad(set_to_none=True)
+class Runner:
+    """One model, its AdamW and (optionally) its compiled encoders."""
+
+    def __init__(self, name: str, model: torch.nn.Module, compile_model: bool = False):
+        self.name, self.model = name, model.train()
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.2)
+        self.encode_image, self.encode_text = model.encode_image, model.encode_text
+        if compile_model:
+            self.encode_image = torch.compile(model.encode_image)
+            self.encode_text = torch.compile(model.encode_text)
+
+    def step(self, img: torch.Tensor, txt: torch.Tensor) -> None:
+        i, t = self.encode_image(img, normalize=True), self.encode_text(txt, normalize=True)
+        logits = 14.3 * i @ t.T
+        labels = torch.arange(len(i))
+        ((F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
 
-def bench_size(size: str, rounds: int, iters: int, batch: int | None) -> list[dict]:
-    (diff_name, twin_name), oc_cfg, default_batch = SIZES[size]
-    batch = batch or default_batch
+def make_runners(size: str, compile_model: bool) -> list[Runner]:
+    (diff_name, twin_name), oc_cfg, _ = SIZES[size]
     torch.manual_seed(0)
-    models = {
-        diff_name: diffmm.create_model(diff_name),
-        f"{twin_name} (diffmm)": diffmm.create_model(twin_name),
-        "open_clip CLIP": (open_clip.create_model(oc_cfg) if isinstance(oc_cfg, str) else CLIP(**oc_cfg)),
-    }
-    cfg = models[diff_name].config
-    img = torch.randn(batch, 3, cfg.vision_cfg.image_size, cfg.vision_cfg.image_size)
-    txt = torch.randint(1, 49000, (batch, cfg.text_cfg.context_length))
+    runners = [Runner(diff_name, diffmm.create_model(diff_name)),
+               Runner(f"{twin_name} (diffmm)", diffmm.create_model(twin_name)),
+               Runner(OPEN_CLIP, open_clip.create_model(oc_cfg) if isinstance(oc_cfg, str) else CLIP(**oc_cfg))]
+    if compile_model:
+        runners += [Runner(f"{diff_name} (compile)", diffmm.create_model(diff_name), compile_model=True),
+                    Runner(f"{twin_name} (diffmm, compile)", diffmm.create_model(twin_name), compile_model=True)]
+    return runners
+
+
+def inputs(runner: Runner, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = runner.model.config
+    g = torch.Generator().manual_seed(0)
+    img = torch.randn(batch, 3, cfg.vision_cfg.image_size, cfg.vision_cfg.image_size, generator=g)
+    txt = torch.randint(1, 49000, (batch, cfg.text_cfg.context_length), generator=g)
     txt[:, -1] = 49407  # EOT
-    for m in models.values():
-        m.train()
-        step(m, img, txt)  # warm-up
-    times: dict[str, list[float]] = {n: [] for n in models}
-    for _ in range(rounds):
-        for name, m in models.items():
-            t0 = time.perf_counter()
+    return img, txt
+
+
+def bench_size(size: str, args) -> list[dict]:
+    batch = args.batch or SIZES[size][2]
+    iters = args.iters or (5 if size == "tiny" else 1)
+    rounds = args.rounds if size == "tiny" else max(2, args.rounds // 2)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    runners = make_runners(size, args.compile)
+    img, txt = inputs(runners[0], batch)
+    warm = {}
+    for r in runners:
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            r.step(img, txt)
+        warm[r.name] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
+    loads = []
+    for rnd in range(rounds):
+        for r in (runners if rnd % 2 == 0 else runners[::-1]):
+            t0 = clock()
             for _ in range(iters):
-                step(m, img, txt)
-            times[name].append((time.perf_counter() - t0) / iters)
-    ref = statistics.median(times["open_clip CLIP"])
+                r.step(img, txt)
+            times[r.name].append((clock() - t0) / iters)
+        loads.append(os.getloadavg()[0])
+        print(f"  {size} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
+              f" (load {loads[-1]:.1f})", flush=True)
+    ref = statistics.median(times[OPEN_CLIP])
     rows = []
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        rows.append(dict(size=size, model=name, batch=batch, params_m=sum(p.numel() for p in models[name].parameters())
-                         / 1e6, sec_per_step=med, samples_per_s=batch / med, slowdown_vs_open_clip=med / ref))
+    for r in runners:
+        med = statistics.median(times[r.name])
+        rows.append(dict(size=size, model=r.name, batch=batch, params_m=sum(p.numel() for p in r.model.parameters())
+                         / 1e6, sec_per_step=med, samples_per_s=batch / med, speed_vs_open_clip=ref / med,
+                         warmup_s=warm[r.name], loadavg_1m=[min(loads), max(loads)], all_s=times[r.name]))
     return rows
+
+
+def profile(args) -> int:
+    """torch.profiler table (top ``args.profile`` ops by self CPU time) of one training step per model."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for size in args.sizes.split(","):
+        runners = make_runners(size, args.compile)
+        img, txt = inputs(runners[0], args.batch or SIZES[size][2])
+        for r in runners:
+            for _ in range(max(1, args.warmup)):
+                r.step(img, txt)
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                r.step(img, txt)
+            print(f"\n### {size} {r.name}: one training step, {torch.get_num_threads()} threads "
+                  f"(load {os.getloadavg()[0]:.1f})\n")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
+                                            max_name_column_width=40))
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="tiny,vit-b-16")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=0, help="steps per round (default: 5 tiny, 1 ViT-B-16)")
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=0, help="override the batch of every size")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (0 = torch's default)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the main thread's CPU time (robust on a busy machine; meaningful with --threads 1)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd diffmm models")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="instead of timing, print torch.profiler's top K ops by self CPU time for one step of each")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile:
+        return profile(args)
     rows = []
     for size in args.sizes.split(","):
-        iters = args.iters or (5 if size == "tiny" else 1)
-        rounds = args.rounds if size == "tiny" else max(2, args.rounds // 2)
-        rows += bench_size(size, rounds, iters, args.batch or None)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, fp32, forward+backward")
-    print(f"| {'size':<8} | {'model':<26} | batch | params (M) | s/step | samples/s | time vs open_clip |")
-    print("|---|---|---|---|---|---|---|")
+        rows += bench_size(size, args)
+    loads = [x for r in rows for x in r["loadavg_1m"]]
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU ({platform.processor() or platform.machine()})"
+          f", fp32, forward+backward+AdamW, {'thread CPU time' if args.cpu_time else 'wall time'}, median of "
+          f"interleaved rounds; 1-min load {min(loads):.1f}-{max(loads):.1f}\n")
+    print("| size | model | batch | params (M) | s/step | samples/s | speed vs open_clip | warm-up s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['size']:<8} | {r['model']:<26} | {r['batch']:5d} | {r['params_m']:10.1f} "
-              f"| {r['sec_per_step']:6.3f} "
-              f"| {r['samples_per_s']:9.1f} | {r['slowdown_vs_open_clip']:.2f}x |")
+        print(f"| {r['size']} | {r['model']} | {r['batch']} | {r['params_m']:.1f} | {r['sec_per_step']:.3f} "
+              f"| {r['samples_per_s']:.1f} | {r['speed_vs_open_clip']:.2f}x | {r['warmup_s']:.1f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                               "clock": "thread_cpu" if args.cpu_time else "wall", "rows": rows},
+                                              indent=1))
     return 0
 
 

@@ -225,8 +225,7 @@ class DiffLM(nn.Module):
         if attn_mask is not None and (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (B, start_pos + T)):
             raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype}; expected "
                              f"bool key padding (B, start_pos + T) = ({B}, {start_pos + T})")
-        positions = torch.arange(start_pos, start_pos + T, device=idx.device)
-        rope = self.rope(positions)  # cos, sin: (T, 1, head_dim) fp32
+        rope = self.rope.range(start_pos, T)  # cos, sin: (T, 1, head_dim) fp32, slices of a cached table
         x = self.wte(idx)  # (B, T, E)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, attn_mask, kv_caches[i] if kv_caches is not None else None)

@@ -60,6 +60,8 @@ def check_diff_inputs(
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
     B, N, H2, d = q.shape
+    if d == 0 or H2 == 0:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected (B, N, 2*h, d) with h >= 1 and head dim d >= 1")
     if H2 % 2:
         raise ValueError(f"q has shape {tuple(q.shape)}; expected (B, N, 2*h, d) with an even number of components")
     h = H2 // 2
@@ -73,7 +75,11 @@ def check_diff_inputs(
     _check_same("k", k, q)
     _check_same("v", v, q)
     if not isinstance(lam, torch.Tensor):
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)):
+            raise TypeError(f"lam is a {type(lam).__name__} ({lam!r:.40}); expected a float or a 0-d tensor")
         lam = torch.tensor(float(lam), device=q.device)
+    if not lam.is_floating_point():
+        raise TypeError(f"lam has dtype {lam.dtype}; expected a floating-point tensor")
     if lam.numel() != 1:
         raise ValueError(f"lam has shape {tuple(lam.shape)}; expected a scalar tensor")
     if lam.device != q.device:
@@ -99,6 +105,8 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attn
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
     B, N, H, d = q.shape
+    if d == 0 or H == 0:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected (B, N, H, d) with H >= 1 and head dim d >= 1")
     if k.shape[0] != B or k.shape[3] != d:
         raise ValueError(f"k has shape {tuple(k.shape)}; expected (B={B}, S, H_kv, d={d})")
     S, H_kv = k.shape[1], k.shape[2]
@@ -139,14 +147,24 @@ def causal_keep(N: int, S: int, device) -> torch.Tensor:
     return j <= i + (S - N)
 
 
+def mask_floor(*dtypes: torch.dtype) -> float:
+    """Additive mask values at or below this count as masked (-inf): the least negative of ``finfo(dtype).min``
+    over the call's and the mask's dtypes and float32 (so HF-style ``finfo(float32).min`` rows mask in every
+    backend and dtype, and a float16 mask's -65504 does too)."""
+    return max(torch.finfo(t).min for t in (torch.float32, *dtypes))
+
+
 def prepare_mask(attn_mask: torch.Tensor | None, causal: bool, B: int, heads: int, N: int, S: int,
-                 device) -> MaskSpec:
+                 device, dtype: torch.dtype = torch.float32) -> MaskSpec:
     """Check ``attn_mask`` and combine it with ``causal``.
 
     Args:
         attn_mask: None; a bool key-padding mask (B, S), True where the key takes part; or an
-            additive float mask broadcastable to (B, heads, N, S).
+            additive float mask broadcastable to (B, heads, N, S). Additive values at or below
+            :func:`mask_floor` (e.g. ``finfo(float32).min``, or ``finfo(float16).min`` for a float16 call)
+            mean "masked" and become -inf, so every backend and dtype agrees on them.
         causal: apply a bottom-right aligned causal mask.
+        dtype: the dtype of q (it sets the floor for additive masks).
     """
     if attn_mask is None:
         if not causal:
@@ -182,6 +200,9 @@ def prepare_mask(attn_mask: torch.Tensor | None, causal: bool, B: int, heads: in
     mask = attn_mask.to(device)
     while mask.dim() < 4:
         mask = mask[None]
+    masked = mask <= mask_floor(dtype, mask.dtype)
+    if bool(masked.any()):
+        mask = mask.masked_fill(masked, float("-inf"))
     if causal:
         mask = mask.masked_fill(~causal_keep(N, S, device)[None, None], float("-inf"))
     empty = torch.isneginf(mask).all(dim=-1, keepdim=True)

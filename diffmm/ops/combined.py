@@ -13,10 +13,17 @@ in N, like a flash kernel. Causal chunks only touch the keys they can see. The m
 both maps and, for GQA, over the query heads of a kv group (folded into the rows), so K and V are never
 repeated.
 
+Where the time goes on a CPU is the elementwise passes over the (rows, S) maps, so each chunk reuses one
+preallocated score buffer, the softmax and its backward run in place (fused ATen kernels), the causal mask
+is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products instead of
+the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node (no per-op graph).
+
 Everything runs in fp32 (fp64 for fp64 inputs). This is the sdpa backend's ``combined`` layout; the
-auto-dispatch picks it on CPU (see :mod:`diffmm.ops.sdpa`).
+dispatch picks it per call (see :mod:`diffmm.ops.sdpa` and :mod:`diffmm.ops.tune`).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -24,23 +31,50 @@ from torch.autograd.function import once_differentiable
 from diffmm.ops._validate import MaskSpec
 from diffmm.ops.epilogue import compute_dtype
 
-#: Target number of score elements (both maps, all heads of a batch) per chunk: 2^22 fp32 = 16 MiB.
+#: Target number of score elements (both maps, all heads of a batch) per chunk: 2^22 fp32 = 16 MiB (measured
+#: best or within noise of it from N = 512 to 4k; smaller chunks pay per-chunk overhead).
 CHUNK_ELEMENTS = 1 << 22
+#: Calls whose maps (both, all heads) fit in one chunk of at most this many elements keep them for the backward
+#: instead of recomputing them (2^21 fp32 = 8 MiB per call; short sequences such as CLIP's).
+SAVE_MAPS_ELEMENTS = 1 << 21
+
+_softmax_out = torch.ops.aten._softmax.out
+_softmax_bwd_out = torch.ops.aten._softmax_backward_data.out
+_CAUSAL_BIAS: dict[tuple, torch.Tensor] = {}
 
 
 def _rows_per_chunk(B: int, h: int, N: int, S: int) -> int:
-    return max(1, min(N, CHUNK_ELEMENTS // max(1, 2 * B * h * S)))
+    """Rows per chunk, balanced so that the chunks have equal size (no ragged last chunk)."""
+    rows = max(1, min(N, CHUNK_ELEMENTS // max(1, 2 * B * h * S)))
+    chunks = math.ceil(N / rows)
+    return math.ceil(N / chunks)
+
+
+def _causal_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(n, n) additive block: 0 on and below the diagonal, -inf above (cached per size, dtype, device)."""
+    key = (n, dtype, device)
+    bias = _CAUSAL_BIAS.get(key)
+    if bias is None:
+        if len(_CAUSAL_BIAS) > 64:
+            _CAUSAL_BIAS.clear()
+        hidden = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+        bias = _CAUSAL_BIAS[key] = torch.zeros(n, n, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return bias
 
 
 class _Geometry:
-    """Shapes shared by forward and backward."""
+    """Shapes shared by forward and backward; q12 (2, B, h_kv, g, N, d), k12 (2, B, h_kv, S, d)."""
 
-    def __init__(self, q12: torch.Tensor, k12: torch.Tensor, mask: torch.Tensor | None, is_causal: bool):
-        self.B, _, self.h_kv, self.g, self.N, self.d = q12.shape  # q12 (B, 2, h_kv, g, N, d)
+    def __init__(self, q12: torch.Tensor, k12: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                 grad_wanted: bool):
+        _, self.B, self.h_kv, self.g, self.N, self.d = q12.shape
         self.S = k12.shape[3]
         self.h = self.h_kv * self.g
         self.mask, self.is_causal = mask, is_causal
-        self.rows = _rows_per_chunk(self.B, self.h, self.N, self.S)
+        # Small calls keep their maps for the backward (no recompute, one chunk); large ones stay O(chunk x S).
+        self.keep_maps = grad_wanted and 2 * self.B * self.h * self.N * self.S <= SAVE_MAPS_ELEMENTS
+        self.rows = self.N if self.keep_maps else _rows_per_chunk(self.B, self.h, self.N, self.S)
+        self.single_chunk = self.rows >= self.N
 
     def chunks(self):
         for i0 in range(0, self.N, self.rows):
@@ -48,96 +82,237 @@ class _Geometry:
             # Causal (square, N == S): rows < i1 see keys < i1 only.
             yield i0, i1, (i1 if self.is_causal else self.S)
 
-    def scores(self, q12, k12, i0, i1, s_vis):
-        """Softmax maps of rows i0:i1 over keys :s_vis -> (B, 2, h_kv, g*rows, s_vis)."""
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """Flat workspace for the scores of the largest chunk (both maps)."""
+        return like.new_empty(2 * self.B * self.h * self.rows * self.S)
+
+    def operands(self, q12, k12, i0, i1, s_vis):
+        """Rows i0:i1 of q12 and keys :s_vis of k12 as (2*B*h_kv, g*n, d) and (2*B*h_kv, s_vis, d)."""
         B, h_kv, g, n, d = self.B, self.h_kv, self.g, i1 - i0, self.d
-        qc = q12[:, :, :, :, i0:i1].reshape(B, 2, h_kv, g * n, d)
-        s = torch.matmul(qc, k12[:, :, :, :s_vis].transpose(-1, -2))  # (B, 2, h_kv, g*n, s_vis)
-        s6 = s.view(B, 2, h_kv, g, n, s_vis)
+        qc = q12[..., i0:i1, :].reshape(2 * B * h_kv, g * n, d)  # a view unless g > 1
+        kc = k12[..., :s_vis, :].reshape(2 * B * h_kv, s_vis, d)
+        return qc, kc
+
+    def scores(self, buf, q12, k12, i0, i1, s_vis):
+        """Softmax maps of rows i0:i1 over keys :s_vis, in ``buf`` -> (p (2, B*h_kv, g*n, s_vis), qc, kc)."""
+        B, h_kv, g, n = self.B, self.h_kv, self.g, i1 - i0
+        qc, kc = self.operands(q12, k12, i0, i1, s_vis)
+        s = buf[:2 * B * h_kv * g * n * s_vis].view(2 * B * h_kv, g * n, s_vis)
+        torch.bmm(qc, kc.transpose(1, 2), out=s)
+        s6 = s.view(2, B, h_kv, g, n, s_vis)
         if self.is_causal:  # N == S and s_vis == i1: only the (n, n) diagonal block has hidden keys
-            hidden = torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1)
-            s6[..., i0:s_vis].masked_fill_(hidden, float("-inf"))
+            s6[..., i0:s_vis].add_(_causal_bias(n, s.dtype, s.device))
         if self.mask is not None:
-            m = self.mask  # (B|1, 1|h, N|1, S)
+            m = self.mask  # (B|1, 1|h, N|1, S), additive
             m = m[:, :, i0:i1] if m.shape[2] > 1 else m
-            m = m[..., :s_vis].unsqueeze(1)  # (B|1, 1, 1|h, n|1, s_vis)
-            if m.shape[2] > 1:
-                m = m.unflatten(2, (h_kv, g))
-            else:
-                m = m.unsqueeze(2)  # (B|1, 1, 1, 1, n|1, s_vis)
-            if m.dtype == torch.bool:
-                s6.masked_fill_(~m, float("-inf"))
-            else:
-                s6.add_(m.to(s.dtype))
-        return torch.softmax(s, dim=-1), qc
+            m = m[..., :s_vis]
+            m = m.unflatten(1, (h_kv, g)) if m.shape[1] > 1 else m.unsqueeze(1)  # (B|1, h_kv|1, g|1, n|1, s_vis)
+            s6.add_(m.to(s.dtype))  # additive (bool masks were converted once per call)
+        _softmax_out(s, -1, False, out=s)
+        return s.view(2, B * h_kv, g * n, s_vis), qc, kc
+
+
+def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy of ``x`` in ``dtype`` (one pass; ``x`` itself when it already is one)."""
+    if x.dtype == dtype and x.is_contiguous():
+        return x
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+
+
+def _norm_forward(a: torch.Tensor, w: torch.Tensor | None, eps: float):
+    """Per-head RMSNorm of a (..., 2d): returns y = a * rstd * w and rstd (..., 1)."""
+    rstd = torch.rsqrt(a.pow(2).mean(-1, keepdim=True).add_(eps))
+    y = a * rstd
+    if w is not None:
+        y.mul_(w)
+    return y, rstd
 
 
 class _CombinedDiffAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q12, k12, v, lam, mask, is_causal):
-        # q12 (B, 2, h_kv, g, N, d) pre-scaled by 1/sqrt(d); k12 (B, 2, h_kv, S, d); v (B, h_kv, S, 2d)
-        geo = _Geometry(q12, k12, mask, is_causal)
-        out = q12.new_empty(geo.B, geo.h_kv, geo.g, geo.N, v.shape[-1])  # (B, h_kv, g, N, 2d)
+    def forward(ctx, q, k, v, lam, w, mask, is_causal, norm, eps, empty_rows, grad_wanted):
+        # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,) or None (norm scale)
+        B, N, H2, d = q.shape
+        S, h_kv = k.shape[1], k.shape[2] // 2
+        h = H2 // 2
+        g = h // h_kv
+        ct = compute_dtype(q.dtype)
+        # Component m of head i = (kv group, j) goes to q12[m, b, group, j]: one permuting copy, scaled by 1/sqrt(d).
+        q12 = q.new_empty(2, B, h_kv, g, N, d, dtype=ct)
+        q_perm = q.unflatten(2, (h_kv, g, 2)).permute(4, 0, 2, 3, 1, 5)
+        if q.dtype == ct:
+            torch.mul(q_perm, d ** -0.5, out=q12)
+        else:  # 16-bit input: widen first, then scale in fp32
+            q12.copy_(q_perm).mul_(d ** -0.5)
+        k12 = _dense(k.unflatten(2, (h_kv, 2)).permute(3, 0, 2, 1, 4), ct)  # (2, B, h_kv, S, d)
+        vt = _dense(v.permute(0, 2, 1, 3), ct)  # (B, h_kv, S, 2d)
+        lam_dtype, lam = lam.dtype, lam.to(ct)
+        geo = _Geometry(q12, k12, mask, is_causal, grad_wanted)
+        neg_lam = -lam
+        buf = geo.buffer(q12)
+        a = q12.new_empty(B, N, h_kv, g, 2 * d)  # (B, N, h, 2d): the layout of the layer's output
+        vb = vt.view(B * h_kv, S, 2 * d)
+        maps = combined = None
         for i0, i1, s_vis in geo.chunks():
-            p, _ = geo.scores(q12, k12, i0, i1, s_vis)
-            pc = p[:, 0].sub_(p[:, 1].mul_(lam))  # P1 - lam P2 (B, h_kv, g*n, s_vis), in place
-            o = torch.matmul(pc, v[:, :, :s_vis])  # (B, h_kv, g*n, 2d)
-            out[:, :, :, i0:i1] = o.view(geo.B, geo.h_kv, geo.g, i1 - i0, -1)
-        ctx.save_for_backward(q12, k12, v, lam)
-        ctx.geo = geo
-        return out
+            p, _, _ = geo.scores(buf, q12, k12, i0, i1, s_vis)
+            if geo.keep_maps:  # the maps and their combination both stay for the backward
+                maps = p
+                pc = combined = torch.addcmul(p[0], p[1], neg_lam)
+            else:
+                pc = p[0].addcmul_(p[1], neg_lam)  # P1 - lam P2, in place: (B*h_kv, g*n, s_vis)
+            o = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*n, 2d)
+            a[:, i0:i1].copy_(o.view(B, h_kv, g, i1 - i0, 2 * d).permute(0, 3, 1, 2, 4))
+        a = a.view(B, N, h, 2 * d)
+        if empty_rows is not None:
+            empty_rows = empty_rows.transpose(1, 2)  # (B|1, N, 1|h, 1) like a
+            a.masked_fill_(empty_rows, 0.0)
+        rstd = None
+        if norm:
+            y, rstd = _norm_forward(a, None if w is None else w.to(ct), eps)
+        else:
+            y, a = a, None
+        ctx.save_for_backward(q12, k12, vt, lam, w, a, rstd, maps, combined)
+        ctx.geo, ctx.norm, ctx.empty_rows = geo, norm, empty_rows
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype)
+        return y.to(q.dtype)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout):
-        q12, k12, v, lam = ctx.saved_tensors
+    def backward(ctx, dy):
+        q12, k12, vt, lam, w, a, rstd, maps, combined = ctx.saved_tensors
         geo = ctx.geo
+        B, h_kv, g, N, d, S, h = geo.B, geo.h_kv, geo.g, geo.N, geo.d, geo.S, geo.h
+        ct = q12.dtype
+        da, dw = _norm_backward(dy.to(ct), a, rstd, w) if ctx.norm else (dy.to(ct), None)
+        if ctx.empty_rows is not None:
+            da = da.masked_fill(ctx.empty_rows, 0.0)
         neg_lam = -lam
-        dout = dout.contiguous()  # (B, h_kv, g, N, 2d)
         dq12 = torch.empty_like(q12)
-        dk12 = torch.zeros_like(k12)
-        dv = torch.zeros_like(v)
-        dlam = torch.zeros((), dtype=q12.dtype, device=q12.device)
-        B, h_kv, g = geo.B, geo.h_kv, geo.g
+        dk12 = torch.empty_like(k12)  # every key row is written once with beta=0 before it accumulates
+        dv = torch.empty_like(vt)  # (B, h_kv, S, 2d)
+        dlam = torch.zeros((), dtype=ct, device=q12.device)
+        buf = geo.buffer(q12)
+        dp_buf = q12.new_empty(B * h * geo.rows * S)
+        vb, dvb, dkb = vt.view(B * h_kv, S, 2 * d), dv.view(B * h_kv, S, 2 * d), dk12.view(2 * B * h_kv, S, d)
+        da6 = da.view(B, N, h_kv, g, 2 * d)
+        seen = 0  # keys [0, seen) already hold a partial dK / dV
         for i0, i1, s_vis in geo.chunks():
             n = i1 - i0
-            p, qc = geo.scores(q12, k12, i0, i1, s_vis)  # (B, 2, h_kv, g*n, s_vis)
-            do = dout[:, :, :, i0:i1].reshape(B, h_kv, g * n, -1)  # (B, h_kv, g*n, 2d)
-            dp = torch.matmul(do, v[:, :, :s_vis].transpose(-1, -2))  # dL/d(combined map)
-            pc = torch.addcmul(p[:, 0], p[:, 1], neg_lam)  # P1 - lam P2
-            dv[:, :, :s_vis] += torch.matmul(pc.transpose(-1, -2), do)
-            del pc
-            # Map m receives dP_m = c_m * dp with c_1 = 1, c_2 = -lam; softmax backward per map:
-            # dS_m = c_m * P_m * (dp - rowsum(P_m * dp)).
-            ds = p * dp.unsqueeze(1)  # (B, 2, h_kv, g*n, s_vis): P_m * dp
-            row = ds.sum(dim=-1, keepdim=True)  # (B, 2, h_kv, g*n, 1)
-            dlam -= row[:, 1].sum()
-            ds.addcmul_(p, row, value=-1.0)  # P_m * (dp - rowsum(P_m * dp))
-            del p
-            ds[:, 1].mul_(neg_lam)
-            dq12[:, :, :, :, i0:i1] = torch.matmul(ds, k12[:, :, :, :s_vis]).view(B, 2, h_kv, g, n, -1)
-            dk12[:, :, :, :s_vis] += torch.matmul(ds.transpose(-1, -2), qc)
-        return dq12, dk12, dv, dlam.to(lam.dtype).reshape(lam.shape), None, None
+            if maps is not None:  # the forward kept them; ds goes to a fresh buffer (maps stay intact)
+                p, qc, kc = maps, *geo.operands(q12, k12, i0, i1, s_vis)
+                ds = torch.empty_like(p)
+            else:
+                p, qc, kc = geo.scores(buf, q12, k12, i0, i1, s_vis)  # p (2, B*h_kv, g*n, s_vis)
+                ds = p  # the softmax backward runs in place over the recomputed maps
+            do = da6[:, i0:i1].permute(0, 2, 3, 1, 4).reshape(B * h_kv, g * n, 2 * d)
+            dp = dp_buf[:B * h * n * s_vis].view(B * h_kv, g * n, s_vis)
+            torch.bmm(do, vb[:, :s_vis].transpose(1, 2), out=dp)  # dL/d(P1 - lam P2)
+            dlam.add_(torch.vdot(p[1].reshape(-1), dp.view(-1)))  # sum(P2 * dp); dlam = -that
+            pc = combined if combined is not None else torch.addcmul(p[0], p[1], neg_lam)  # P1 - lam P2
+            _accumulate(dvb, pc.transpose(1, 2), do, seen, s_vis)
+            # Softmax backward of each map with the same upstream dp (map 2's factor -lam is applied to the
+            # small products at the end): ds[m] = P_m * (dp - rowsum(P_m * dp)).
+            _softmax_bwd_out(dp, p[0], -1, ct, grad_input=ds[0])
+            _softmax_bwd_out(dp, p[1], -1, ct, grad_input=ds[1])
+            ds = ds.view(2 * B * h_kv, g * n, s_vis)
+            if geo.single_chunk and g == 1:
+                torch.bmm(ds, kc, out=dq12.view(2 * B * h_kv, N, d))
+            else:
+                dq12[..., i0:i1, :].copy_(torch.bmm(ds, kc).view(2, B, h_kv, g, n, d))
+            _accumulate(dkb, ds.transpose(1, 2), qc, seen, s_vis)
+            seen = max(seen, s_vis)
+        # Map 2's factor -lam, the 1/sqrt(d) of q, and the permutation back to the input layouts, in one pass each.
+        q_dt, k_dt, v_dt, lam_dt = ctx.dtypes
+        factor = torch.stack([torch.ones_like(lam), neg_lam])  # (2,)
+        dq = torch.empty(B, N, h_kv, g, 2, d, dtype=q_dt, device=q12.device)
+        torch.mul(dq12.permute(1, 4, 2, 3, 0, 5), factor.view(2, 1) * d ** -0.5, out=dq)
+        dk = torch.empty(B, S, h_kv, 2, d, dtype=k_dt, device=q12.device)
+        torch.mul(dk12.permute(1, 3, 2, 0, 4), factor.view(2, 1), out=dk)
+        dv_out = _dense(dv.permute(0, 2, 1, 3), v_dt)
+        dlam = dlam.neg_().to(lam_dt)
+        return (dq.view(B, N, 2 * h, d), dk.view(B, S, 2 * h_kv, d), dv_out, dlam, dw,
+                None, None, None, None, None, None)
+
+
+def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, s_vis: int) -> None:
+    """``out[:, :s_vis] += x @ y`` where rows ``[seen, s_vis)`` of ``out`` are still unwritten.
+
+    ``out[:, :s_vis]`` is not contiguous across the batch when ``s_vis < S`` (causal chunks), and a batched
+    matmul into such a view runs one GEMM per batch entry; so the product goes to a contiguous temporary first.
+    """
+    if s_vis == out.shape[1]:  # the whole (contiguous) out
+        if seen == 0:
+            torch.bmm(x, y, out=out)
+        else:
+            out.baddbmm_(x, y)
+        return
+    prod = torch.bmm(x, y)  # (batch, s_vis, cols)
+    if seen:
+        out[:, :seen].add_(prod[:, :seen])
+    out[:, seen:s_vis].copy_(prod[:, seen:])
+
+
+def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor | None):
+    """Backward of ``y = a * rstd * w`` (per-row RMSNorm over the last dim): returns (da, dw)."""
+    dw = None
+    t = dy * a  # (B, N, h, 2d)
+    if w is not None:
+        dw = (rstd.reshape(1, -1) @ t.reshape(-1, t.shape[-1])).reshape(-1).to(w.dtype)  # sum(dy * a * rstd)
+        wc = w.to(dy.dtype)
+        dot = t @ wc  # (B, N, h): rowsum(dy * w * a)
+        dy = dy * wc
+    else:
+        dot = t.sum(-1)
+    coef = rstd.pow(3).mul_(dot.unsqueeze(-1)).div_(-a.shape[-1])  # -rstd^3 * mean(dy w a)
+    return dy.mul(rstd).addcmul_(a, coef), dw
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool keep-mask as an additive one: 0 where kept, ``finfo.min`` where hidden.
+
+    Finite, so a row whose visible keys are all hidden still has a finite softmax (its output and gradients are
+    zeroed through ``empty_rows``), and an add is cheaper than a masked fill on every chunk.
+    """
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
 
 
 def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
-                            spec: MaskSpec) -> torch.Tensor:
-    """``(P_1 - lam P_2) V`` with the maps combined before V.
+                            spec: MaskSpec, *, attn_mask: torch.Tensor | None = None, causal: bool = False,
+                            norm_weight: torch.Tensor | None = None,
+                            lambda_init: float | torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """``(P_1 - lam P_2) V`` with the maps combined before V, and the optional fused head epilogue.
 
     Args:
         q: (B, N, 2h, d), k: (B, S, 2h_kv, d), v: (B, S, h_kv, 2d) in the interleaved component layout.
         lam: 0-d tensor.
         spec: the prepared mask (see :func:`diffmm.ops._validate.prepare_mask`).
+        attn_mask, causal: the call's own mask arguments; a bool key-padding mask under a square causal mask
+            keeps the chunked causal path (invisible keys skipped) with the padding as a (B, 1, 1, S) bias.
+        norm_weight, lambda_init, eps: as :func:`diffmm.ops.diff_attention`; with ``lambda_init`` the output is
+            ``RMSNorm(A) * norm_weight * (1 - lambda_init)``.
     Returns:
-        (B, h, N, 2d) in fp32 (fp64 for fp64 inputs): the input of the differential epilogue.
+        (B, N, h, 2d) in q's dtype; rows that see no key are 0.
     """
-    B, N, H2, d = q.shape
-    S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
+    norm = lambda_init is not None
+    w = None
+    if norm:
+        scale = 1.0 - lambda_init
+        # (1 - lambda_init) folded into the weight by autograd, so a tensor lambda_init gets its gradient too
+        w = norm_weight * scale if norm_weight is not None else None
+        if w is None and (isinstance(scale, torch.Tensor) or scale != 1.0):
+            w = torch.full((2 * q.shape[-1],), 1.0, dtype=compute_dtype(q.dtype), device=q.device) * scale
     ct = compute_dtype(q.dtype)
-    # Components: (B, N, 2h, d) -> (B, N, h, 2, d) -> (B, 2, h, N, d) -> (B, 2, h_kv, g, N, d)
-    q12 = (q.to(ct) * d ** -0.5).unflatten(2, (h, 2)).permute(0, 3, 2, 1, 4)
-    q12 = q12.reshape(B, 2, h_kv, h // h_kv, N, d)
-    k12 = k.to(ct).unflatten(2, (h_kv, 2)).permute(0, 3, 2, 1, 4).contiguous()  # (B, 2, h_kv, S, d)
-    vt = v.to(ct).transpose(1, 2).contiguous()  # (B, h_kv, S, 2d)
-    out = _CombinedDiffAttention.apply(q12.contiguous(), k12, vt, lam.to(ct), spec.mask, spec.is_causal)
-    return out.reshape(B, h, N, -1)  # (B, h, N, 2d)
+    mask, is_causal = spec.mask, spec.is_causal
+    if (causal and attn_mask is not None and attn_mask.dtype == torch.bool and q.shape[1] == k.shape[1]):
+        mask, is_causal = _additive(attn_mask.to(q.device)[:, None, None, :], ct), True  # (B, 1, 1, S)
+    elif mask is not None and mask.dtype == torch.bool:
+        mask = _additive(mask, ct)
+    grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, w))
+    return _apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
+
+
+@torch.compiler.disable
+def _apply(*args):
+    """The autograd node runs eagerly under ``torch.compile`` (its in-place buffer reuse is not traceable; the
+    projections, norms and MLPs around it still compile)."""
+    return _CombinedDiffAttention.apply(*args)

@@ -28,7 +28,7 @@ def diff_attention_reference(q, k, v, lam, *, causal=False, attn_mask=None, norm
     S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
     rep = h // h_kv
     ct = compute_dtype(q.dtype)
-    spec = prepare_mask(attn_mask, causal, B, h, N, S, q.device)
+    spec = prepare_mask(attn_mask, causal, B, h, N, S, q.device, q.dtype)
     qt = q.to(ct).transpose(1, 2)  # (B, 2h, N, d)
     kt = k.to(ct).transpose(1, 2)  # (B, 2h_kv, S, d)
     k1 = kt[:, 0::2].repeat_interleave(rep, dim=1)  # (B, h, S, d): key component 2g for head i, g = i // rep
@@ -48,7 +48,7 @@ def attention_reference(q, k, v, *, causal=False, attn_mask=None, scale=None, sh
     S, H_kv = k.shape[1], k.shape[2]
     rep = H // H_kv
     ct = compute_dtype(q.dtype)
-    spec = prepare_mask(attn_mask, causal, B, H, N, S, q.device)
+    spec = prepare_mask(attn_mask, causal, B, H, N, S, q.device, q.dtype)
     qt = q.to(ct).transpose(1, 2)
     kt = k.to(ct).transpose(1, 2).repeat_interleave(rep, dim=1)
     vt = v.to(ct).transpose(1, 2).repeat_interleave(rep, dim=1)

@@ -122,5 +122,6 @@ def select_backend(call: AttentionCall, backend: str | None = None) -> Attention
         reason = b.unsupported(call)
         if reason is None:
             return b
-        log.debug("attention backend %s skipped: %s", cand, reason)
+        if not torch.compiler.is_compiling():  # a logging call would break a torch.compile graph
+            log.debug("attention backend %s skipped: %s", cand, reason)
     return _BACKENDS["reference"]

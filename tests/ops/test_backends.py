@@ -29,10 +29,12 @@ def run_and_grads(fn, q, k, v, lam, **kw):
     return out, grads
 
 
-UNFUSED = [("sdpa-split", lambda *a, **kw: diff_attention_sdpa(*a, layout="split", **kw)),
-           ("sdpa-pair", lambda *a, **kw: diff_attention_sdpa(*a, layout="pair", **kw)),
-           ("sdpa-combined", lambda *a, **kw: diff_attention_sdpa(*a, layout="combined", **kw)),
-           ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
+def _layout_fn(layout):
+    return lambda *a, **kw: diff_attention_sdpa(*a, layout=layout, **kw)
+
+
+UNFUSED = [(f"sdpa-{lay}", _layout_fn(lay)) for lay in ("split", "pair", "combined", "halves", "flash2d")] + [
+    ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
 
 
 @pytest.mark.parametrize("name,fn", UNFUSED, ids=[n for n, _ in UNFUSED])
@@ -80,13 +82,29 @@ def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, c
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
 
 
-def test_combined_layout_memory_does_not_store_maps():
-    """The autograd graph of the ``combined`` layout keeps only q, k, v and lam, not the N x S maps."""
+def test_combined_layout_memory_does_not_store_maps(monkeypatch):
+    """Above ``SAVE_MAPS_ELEMENTS`` the autograd graph of the ``combined`` layout keeps q, k, v, lam and the
+    (N, h, 2d) pre-norm output, not the N x S maps; below it the maps are kept (and reused by the backward)."""
+    import diffmm.ops.combined as combined
     q, k, v, lam, _ = make_inputs(B=1, N=64, h=2, h_kv=2, d=8)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        diff_attention_sdpa(q, k, v, lam, layout="combined")
+    w = (torch.rand(16, dtype=F64) + 0.5).requires_grad_()
+
+    def saved_sizes():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = diff_attention_sdpa(q, k, v, lam, layout="combined", norm_weight=w, lambda_init=0.3)
+        return saved, out
+
+    monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 0)
+    saved, _ = saved_sizes()
     assert saved and max(saved) <= q.numel()
+    monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 1 << 21)
+    saved, out = saved_sizes()
+    assert max(saved) == 2 * 2 * 64 * 64  # both maps of both heads
+    ref = ops.diff_attention_reference(q, k, v, lam, norm_weight=w, lambda_init=0.3)
+    g = torch.randn(out.shape, dtype=F64)
+    torch.testing.assert_close(torch.autograd.grad((out * g).sum(), (q, k, v, lam, w)),
+                               torch.autograd.grad((ref * g).sum(), (q, k, v, lam, w)), atol=1e-9, rtol=1e-9)
 
 
 def naive_diff_attention(q, k, v, lam, causal=False, mask=None, norm_weight=None, lambda_init=None, eps=1e-5):
@@ -241,3 +259,22 @@ def test_norm_weight_needs_lambda_init_and_right_shape():
         ops.diff_attention(q, k, v, lam, norm_weight=torch.ones(8, dtype=F64), lambda_init=0.2)
     with pytest.raises(ValueError, match=r"lam has shape \(2,\); expected a scalar tensor"):
         ops.diff_attention(q, k, v, torch.ones(2, dtype=F64))
+
+
+@pytest.mark.parametrize("lam,match", [([0.3], r"lam is a list \(\[0.3\]\); expected a float or a 0-d tensor"),
+                                       ("0.5", r"lam is a str \('0.5'\); expected a float or a 0-d tensor"),
+                                       (True, r"lam is a bool"),
+                                       (torch.tensor(1), r"lam has dtype torch.int64; expected a floating-point")])
+def test_bad_lam_is_a_one_line_error(lam, match):
+    q, k, v, _, _ = make_inputs()
+    with pytest.raises(TypeError, match=match) as e:
+        ops.diff_attention(q, k, v, lam)
+    assert "\n" not in str(e.value)
+
+
+def test_zero_head_dim_is_a_one_line_error():
+    q, k, v, lam, _ = make_inputs()
+    with pytest.raises(ValueError, match=r"q has shape \(2, 13, 8, 0\); expected .* head dim d >= 1"):
+        ops.diff_attention(q[..., :0], k[..., :0], v[..., :0], lam)
+    with pytest.raises(ValueError, match=r"q has shape \(2, 13, 8, 0\); expected .* head dim d >= 1"):
+        ops.attention(q[..., :0], k[..., :0], v[..., :0])
