@@ -18,6 +18,7 @@ _EXPORTS = {
     "AttentionRecorder": "attention_capture", "DiffmmLM": "harness", "run_lm_eval": "harness",
     "cls_attention": "plots", "plot_attention_maps": "plots", "plot_needle_attention": "plots",
     "plot_loss_curves": "plots", "load_clip": "loading", "load_lm": "loading", "EvalError": "common",
+    "evaluate_recall": "recall", "plot_recall": "recall",
 }
 __all__ = sorted(_EXPORTS)
 
