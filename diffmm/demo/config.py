@@ -98,11 +98,11 @@ class DemoConfig:
     recall_vocab: int = 64
     recall_train_seq_lens: tuple[int, ...] = (16,)
     recall_train_pairs: tuple[int, ...] = (2, 4)
-    recall_eval_seq_lens: tuple[int, ...] = (16, 32)
+    recall_eval_seq_lens: tuple[int, ...] = (16, 64)
     recall_eval_pairs: tuple[int, ...] = (2, 4)
-    recall_noise: float = 0.0
+    recall_noise: float = 0.25
     recall_steps: int = 150
-    recall_batch_tokens: int = 4096
+    recall_batch_tokens: int = 2048
     recall_lr: float = 3e-3
     recall_examples: int = 128
 

@@ -162,6 +162,13 @@ def _wins(p: dict) -> str:
     return "" if p.get("wins") is None or not p.get("n") else f" ({p['wins']}/{p['n']})"
 
 
+def _chance(key: str) -> str:
+    import re
+
+    n = re.search(r"-N(\d+)", key)
+    return f"{100 / int(n.group(1)):.1f}" if n else ""
+
+
 def recall_markdown(agg: dict, *, per_setting: bool = True) -> str:
     """Tables of :func:`aggregate`: per width the models (mean ± std over seeds), the paired differences
     (with on how many seeds the first-named model is better) and, optionally, accuracy per setting."""
@@ -192,9 +199,9 @@ def recall_markdown(agg: dict, *, per_setting: bool = True) -> str:
             keys = [k for k in keys if any(k in e["summary"][v] for v in e["variants"])]
             if keys:
                 rows = [[k[len("acc_task_"):]] + [fmt(e["summary"][v].get(k, {}), m[k]) for v in e["variants"]]
-                        for k in keys]
-                md.append("\nRecall accuracy % per setting (L = sequence length, N = pairs):\n\n"
-                          + _table(["setting"] + names, rows))
+                        + [_chance(k)] for k in keys]
+                md.append("\nRecall accuracy % per setting (L = sequence length, N = pairs; chance: one of the N "
+                          "values at random):\n\n" + _table(["setting"] + names + ["chance"], rows))
         md.append("")
     return "\n".join(md)
 

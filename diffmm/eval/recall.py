@@ -18,6 +18,7 @@ settings); its shares are the headline "signal vs noise" numbers.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
@@ -30,6 +31,7 @@ from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
 from diffmm.eval.common import EvalError, markdown_table, model_device, progress
 
 PARTS = ("answer", "distractor_pairs", "rest")
+log = logging.getLogger("diffmm.eval")
 
 
 def answer_logits(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
@@ -232,11 +234,16 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
 
 
 def tasks_from_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterable[int], **kwargs) -> list[RecallTask]:
-    """Every ``(seq_len, pairs)`` setting that fits (:func:`diffmm.data.recall.task_grid`); EvalError when none does."""
+    """Every ``(seq_len, pairs)`` setting that fits (:func:`diffmm.data.recall.task_grid`; the others are logged);
+    EvalError when none does."""
     try:
-        return task_grid(vocab_size, seq_lens, num_pairs, **kwargs)[0]
+        tasks, skipped = task_grid(vocab_size, seq_lens, num_pairs, **kwargs)
     except ValueError as e:
         raise EvalError(f"recall: {e}") from None
+    if skipped:
+        log.warning("recall: left out %s (too many pairs for the sequence length or the vocabulary of %d)",
+                    ", ".join(skipped), vocab_size)
+    return tasks
 
 
 def load_recall_lm(spec: str, *, vocab_size: Optional[int] = None, block_size: Optional[int] = None,
