@@ -55,6 +55,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--examples", type=int, default=d.examples, help="evaluation sequences per setting")
     p.add_argument("--attention-examples", type=int, default=d.attention_examples)
+    p.add_argument("--lambda-init", default=d.lambda_init, help="DIFF V1 lambda_init: depth (paper) or constant")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--aggregate-only", action="store_true", help="only aggregate the runs in OUT/runs")
     p.add_argument("--force", action="store_true", help="rerun runs whose JSON has different settings")
@@ -70,7 +71,8 @@ def study_of(a: argparse.Namespace) -> RecallStudy:
                        batch_size=a.batch_size, batch_tokens=a.batch_tokens, lr=a.lr,
                        min_lr=a.min_lr if a.min_lr is not None else a.lr / 10,
                        warmup=a.warmup if a.warmup is not None else max(1, min(a.steps) // 20),
-                       weight_decay=a.weight_decay, examples=a.examples, attention_examples=a.attention_examples)
+                       weight_decay=a.weight_decay, examples=a.examples, attention_examples=a.attention_examples,
+                       lambda_init=a.lambda_init)
 
 
 def _run_settings(study: RecallStudy) -> dict:
@@ -78,6 +80,8 @@ def _run_settings(study: RecallStudy) -> dict:
     d = study.to_dict()
     for k in ("variants", "widths"):
         d.pop(k)
+    if d.get("lambda_init") == "depth":  # the default; absent from records written before the option existed
+        d.pop("lambda_init")
     return json.loads(json.dumps(d))
 
 

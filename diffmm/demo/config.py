@@ -133,6 +133,6 @@ FULL = DemoConfig()
 #: the 5-minute run: one seed, fewer steps, smaller evaluation sets.
 QUICK = DemoConfig(seeds=(0,), clip_steps=60, lm_steps=60, clip_warmup=6, lm_warmup=6, fmnist_images=512,
                    holdout_images=512, attention_images=2, lm_val_batches=16, needle_trials=2, outlier_batches=2,
-                   recall_steps=100, recall_examples=64)
+                   recall_steps=80, recall_examples=64)
 
 PRESETS = {"full": FULL, "quick": QUICK}

@@ -292,7 +292,7 @@ def load_recall_lm(spec: str, *, vocab_size: Optional[int] = None, block_size: O
 
 # ---------------------------------------------------------------------------------------- plot
 def plot_recall(results: Mapping[str, dict], out: str, *, title: str = "Associative recall (MQAR)") -> str:
-    """Accuracy against the number of pairs (one panel per sequence length, one line per model) and the
+    """Accuracy against the sequence length (one panel per number of pairs, one line per model) and the
     attention shares at each model's retrieval layer (stacked bars).
 
     Args:
@@ -302,27 +302,28 @@ def plot_recall(results: Mapping[str, dict], out: str, *, title: str = "Associat
     from diffmm.eval.plots import _plt, _save
 
     plt = _plt()
-    lens = sorted({t["task"]["seq_len"] for r in results.values() for t in r["tasks"]})
-    if not lens:
+    pairs = sorted({t["task"]["num_pairs"] for r in results.values() for t in r["tasks"]})
+    if not pairs:
         raise EvalError("plot_recall: no results to draw")
     with_att = {k: r["attention"] for k, r in results.items() if r.get("attention")}
-    n = len(lens) + (1 if with_att else 0)
+    n = len(pairs) + (1 if with_att else 0)
     fig, axes = plt.subplots(1, n, figsize=(3.6 * n, 3.4), squeeze=False)
-    for ax, L in zip(axes[0], lens):
+    for ax, N in zip(axes[0], pairs):
+        lens = set()
         for label, r in results.items():
-            pts = sorted((t["task"]["num_pairs"], t["accuracy"], t.get("accuracy_std") or 0.0)
-                         for t in r["tasks"] if t["task"]["seq_len"] == L)
+            pts = sorted((t["task"]["seq_len"], t["accuracy"], t.get("accuracy_std") or 0.0)
+                         for t in r["tasks"] if t["task"]["num_pairs"] == N)
             if pts:
                 x, y, e = map(np.array, zip(*pts))
+                lens.update(x.tolist())
                 ax.errorbar(x, y, yerr=e, marker="o", ms=3, capsize=2, label=label)
-        pairs = sorted({t["task"]["num_pairs"] for r in results.values() for t in r["tasks"]
-                        if t["task"]["seq_len"] == L})
+        ax.axhline(1 / N, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(pairs, [str(p) for p in pairs])
+        ax.set_xticks(sorted(lens), [str(v) for v in sorted(lens)])
         ax.minorticks_off()
         ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("key-value pairs")
-        ax.set_title(f"sequence length {L}", fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_title(f"{N} key-value pairs (dotted: 1/{N})", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("recall accuracy")
     axes[0][0].legend(fontsize=7)
@@ -339,11 +340,13 @@ def plot_recall(results: Mapping[str, dict], out: str, *, title: str = "Associat
             bottom_pos += np.clip(vals, 0, None)
             bottom_neg += np.clip(vals, None, 0)
         for i, k in enumerate(labels):
-            ax.text(i, 1.02, f"{with_att[k]['answer']:.2f}", ha="center", fontsize=7)
+            ax.text(i, bottom_pos[i] + 0.02, f"{with_att[k]['answer']:.2f}", ha="center", fontsize=7)
         ax.axhline(0, color="black", lw=0.5)
         ax.set_xticks(np.arange(len(labels)), labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("attention share at the retrieval layer")
         ax.set_title("where the query attends", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.set_ylim(min(0.0, bottom_neg.min()) - 0.05, max(1.0, bottom_pos.max()) + 0.12)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.subplots_adjust(wspace=0.35)
     fig.suptitle(title, fontsize=10, y=1.03)
     return _save(fig, out)
