@@ -58,6 +58,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lambda-init", default=d.lambda_init, help="DIFF V1 lambda_init: depth (paper) or constant")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--aggregate-only", action="store_true", help="only aggregate the runs in OUT/runs")
+    p.add_argument("--save-models", help="folder for each trained model (<run>.pt: model kwargs + state dict)")
+    p.add_argument("--reevaluate", metavar="MODELS",
+                   help="re-score the runs in OUT/runs with the models saved in MODELS (no training)")
     p.add_argument("--force", action="store_true", help="rerun runs whose JSON has different settings")
     p.add_argument("--docs", help="markdown file whose recall-comparison section is replaced by the tables")
     return p.parse_args(argv)
@@ -118,7 +121,8 @@ def run_all(a: argparse.Namespace, study: RecallStudy) -> None:
                 sys.exit(f"{path} exists with other settings; use another --out, delete it or pass --force")
         print(f"[{k}/{len(todo)}] {variant} width {width} seed {seed} (elapsed {(time.perf_counter() - t0) / 60:.1f} "
               f"min, load {os.getloadavg()[0]:.1f})", flush=True)
-        rec = run_one(study, variant, width, seed)
+        save = os.path.join(a.save_models, os.path.basename(path)[:-len(".json")] + ".pt") if a.save_models else None
+        rec = run_one(study, variant, width, seed, save_model=save)
         rec["settings"] = settings
         rec["load_average"] = [round(x, 1) for x in os.getloadavg()]
         rec["torch_threads"] = torch.get_num_threads()
@@ -126,6 +130,24 @@ def run_all(a: argparse.Namespace, study: RecallStudy) -> None:
         ev = rec["eval"]
         print(f"    accuracy {ev['accuracy']:.3f}  answer share {ev['attention'].get('answer', float('nan')):.3f}  "
               f"train {rec['train']['seconds']:.0f} s  -> {path}", flush=True)
+
+
+def reevaluate(a: argparse.Namespace, study: RecallStudy) -> None:
+    """Replace the ``eval`` part of every run record by a fresh evaluation of its saved model."""
+    from diffmm.demo.recall import evaluate_one, load_saved_model
+
+    runs_dir = os.path.join(a.out, "runs")
+    for name in sorted(os.listdir(runs_dir)):
+        if not name.endswith(".json"):
+            continue
+        path, model_path = os.path.join(runs_dir, name), os.path.join(a.reevaluate, name[:-len(".json")] + ".pt")
+        if not os.path.exists(model_path):
+            sys.exit(f"{model_path}: no saved model for {path}")
+        with open(path) as f:
+            rec = json.load(f)
+        rec["eval"] = evaluate_one(study, load_saved_model(model_path), int(rec["seed"]))
+        _write_json(path, rec)
+        print(f"re-evaluated {name}: accuracy {rec['eval']['accuracy']:.3f}", flush=True)
 
 
 def write_outputs(a: argparse.Namespace, study: RecallStudy) -> dict:
@@ -164,7 +186,9 @@ def main(argv=None) -> int:
         sys.exit(f"--steps: give one value or one per width ({len(a.widths)})")
     torch.set_num_threads(a.threads)
     study = study_of(a)
-    if not a.aggregate_only:
+    if a.reevaluate:
+        reevaluate(a, study)
+    elif not a.aggregate_only:
         run_all(a, study)
     write_outputs(a, study)
     return 0

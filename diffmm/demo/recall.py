@@ -75,26 +75,54 @@ class RecallStudy:
         return int(self.steps_per_width[list(self.widths).index(width)])
 
 
-def run_one(study: RecallStudy, variant: str, width: int, seed: int, *, print_progress: bool = True) -> dict[str, Any]:
-    """Train and score one model; returns the run record (JSON-able)."""
+def evaluate_one(study: RecallStudy, model, seed: int) -> dict[str, Any]:
+    """The evaluation part of a run record (:meth:`RecallResult.to_dict` on the study's evaluation grid)."""
     from diffmm.data.recall import task_grid
     from diffmm.eval.recall import evaluate_recall
+
+    eval_tasks, _ = task_grid(study.vocab, study.eval_seq_lens, study.eval_pairs, noise=study.noise)
+    return evaluate_recall(model, eval_tasks, examples=study.examples, seed=seed, measure_attention=True,
+                           attention_examples=study.attention_examples, show_progress=False).to_dict()
+
+
+def run_one(study: RecallStudy, variant: str, width: int, seed: int, *, print_progress: bool = True,
+            save_model: Optional[str] = None) -> dict[str, Any]:
+    """Train and score one model; returns the run record (JSON-able). ``save_model``: also write
+    ``{"model_kwargs", "state_dict"}`` there (``torch.save``), for :func:`evaluate_one` later."""
+    from diffmm.data.recall import task_grid
     from diffmm.train.recall_run import RecallTrainConfig, matched_lm_kwargs, param_counts, train_recall
 
     extra = {"lambda_init": study.lambda_init} if variant == "diff" and study.lambda_init != "depth" else {}
     kwargs = matched_lm_kwargs(variant, width, study.heads, study.layers, study.vocab, study.block_size, **extra)
     train_tasks, _ = task_grid(study.vocab, study.train_seq_lens, study.train_pairs, noise=study.noise)
-    eval_tasks, _ = task_grid(study.vocab, study.eval_seq_lens, study.eval_pairs, noise=study.noise)
     steps = study.steps_for(width)
     cfg = RecallTrainConfig(train_tasks, steps=steps, batch_size=study.batch_size, batch_tokens=study.batch_tokens,
                             lr=study.lr, min_lr=study.min_lr, warmup=min(study.warmup, max(1, steps // 10)),
                             weight_decay=study.weight_decay, log_every=max(1, steps // 50))
     label = f"{LABELS.get(variant, variant)} w{width} seed {seed}"
     run = train_recall(kwargs, cfg, seed, label=label, print_progress=print_progress)
-    res = evaluate_recall(run.model, eval_tasks, examples=study.examples, seed=seed, measure_attention=True,
-                          attention_examples=study.attention_examples, show_progress=False)
+    if save_model:
+        import os
+
+        from diffmm.hub.checkpoint import atomic_save
+
+        os.makedirs(os.path.dirname(os.path.abspath(save_model)), exist_ok=True)
+        atomic_save({"model_kwargs": kwargs, "state_dict": run.model.state_dict()}, save_model)
     return {"variant": variant, "width": width, "heads": study.heads, "layers": study.layers, "seed": seed,
-            "params": param_counts(kwargs), "model_kwargs": kwargs, "train": run.summary(), "eval": res.to_dict()}
+            "params": param_counts(kwargs), "model_kwargs": kwargs, "train": run.summary(),
+            "eval": evaluate_one(study, run.model, seed)}
+
+
+def load_saved_model(path: str):
+    """The ``DiffLM`` written by :func:`run_one` (``save_model``)."""
+    import torch
+
+    from diffmm.models.lm import DiffLM, LMConfig
+
+    d = torch.load(path, map_location="cpu", weights_only=True)
+    model = DiffLM(LMConfig(**d["model_kwargs"]))
+    model.load_state_dict(d["state_dict"])
+    return model.eval()
 
 
 # ---------------------------------------------------------------------------------- aggregation
@@ -106,6 +134,7 @@ BASE_METRICS: tuple[Metric, ...] = (
     Metric("rest_share", "attention on the rest (filler, false pairs) %", ("eval", "attention", "rest"), False,
            True, 1),
     Metric("train_loss", "final answer loss (train)", ("train", "final_train_loss"), False, digits=3),
+    Metric("net_share", "net attention (signed / absolute sum) %", ("eval", "attention", "net"), None, True, 1),
     Metric("seconds", "training seconds (loaded machine)", ("train", "seconds"), None, digits=0),
 )
 
@@ -181,7 +210,7 @@ def recall_markdown(agg: dict, *, per_setting: bool = True) -> str:
         names = [LABELS.get(v, v) for v in e["variants"]]
         seeds = sorted({s for v in e["variants"] for s in e["seeds"][v]})
         md.append(f"**Width {w}** (seeds {', '.join(map(str, seeds))}; mean ± std over seeds)\n")
-        cols = ["accuracy", "answer_share", "distractor_share", "rest_share", "train_loss", "seconds"]
+        cols = ["accuracy", "answer_share", "distractor_share", "rest_share", "net_share", "train_loss", "seconds"]
         rows = []
         for v, name in zip(e["variants"], names):
             p = e["params"][v]
@@ -225,7 +254,7 @@ def plot_input(agg: dict, width: str, runs: Sequence[dict]) -> dict[str, dict]:
         att = {}
         if all(r["eval"].get("attention") for r in rs):
             att = {p: mean_std([r["eval"]["attention"][p] for r in rs])["mean"]
-                   for p in ("answer", "distractor_pairs", "rest")}
+                   for p in ("answer", "distractor_pairs", "rest") if all(p in r["eval"]["attention"] for r in rs)}
         out[f"{LABELS.get(v, v)} w{width}"] = {"tasks": tasks, "attention": att}
     return out
 

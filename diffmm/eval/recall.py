@@ -8,10 +8,13 @@ set of generated sequences is scored:
 * **attention shares** (``measure_attention``): for each query position, each layer and head, the
   attention row is split into the queried pair's two tokens (**answer**), the other pairs of the
   key-value block (**distractor pairs**) and everything else (**rest**: the filler and query region,
-  where random key/value tokens form false pairs). Shares are ``sum(a[part]) / sum(a)`` summed over
-  all queries before dividing, where ``a`` is the head's effective attention (``A``; ``A1 - lambda*A2``
-  for DIFF V1 and V2, whose rows sum to ``1 - lambda``, see :mod:`diffmm.eval.attention_capture`).
-  The three shares add up to 1; a DIFF head can give some parts a negative share (noise cancelled).
+  where random key/value tokens form false pairs). Shares are ``sum(a[part]) / sum(|a|)``, numerator
+  and denominator summed over all queries before dividing, where ``a`` is the head's effective attention
+  (``A``; ``A1 - lambda*A2`` for DIFF V1 and V2, see :mod:`diffmm.eval.attention_capture`). For softmax
+  rows ``|a| = a`` and the three shares add up to 1. A DIFF row can be negative somewhere (noise
+  cancelled): that part gets a negative share and the three add up to ``net = sum(a) / sum(|a|) < 1``.
+  (Dividing by ``sum(a) = 1 - lambda`` instead, as the needle test does, blows up for heads whose
+  lambda is near 1.)
 
 The **retrieval layer** of a model is its layer with the largest answer share (mean over heads and
 settings); its shares are the headline "signal vs noise" numbers.
@@ -73,8 +76,9 @@ def part_masks(batch: RecallBatch) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def attention_mass(model: torch.nn.Module, batch: RecallBatch, *, chunk: int = 8) -> dict[str, np.ndarray]:
-    """Attention mass of the query positions on each part, summed over queries: ``{part: (L, h)}`` and
-    ``total`` (L, h) (the summed row sums). Shares are ``mass[part] / mass["total"]``."""
+    """Attention mass of the query positions on each part, summed over queries: ``{part: (L, h)}``,
+    ``total`` (summed row sums) and ``abs_total`` (summed ``sum(|a|)``), all (L, h). Shares are
+    ``mass[part] / mass["abs_total"]``."""
     device = model_device(model)
     masks = part_masks(batch)
     out: dict[str, list] = {}
@@ -90,13 +94,14 @@ def attention_mass(model: torch.nn.Module, batch: RecallBatch, *, chunk: int = 8
             rows = a.permute(0, 2, 1, 3)[b_idx, qpos]  # (b, Q, h, S)
             sums = {k: (rows * mk[:, :, None, :]).sum(dim=(0, 1, 3)) for k, mk in m.items()}  # (h,)
             sums["total"] = rows.sum(dim=(0, 1, 3))
+            sums["abs_total"] = rows.abs().sum(dim=(0, 1, 3))
             layer_sums.append(sums)
 
         with AttentionRecorder(model, on_record=take):
             model(batch.inputs[lo:hi].to(device))
         if not layer_sums:
             raise EvalError("recall attention: the model has no attention layer the recorder knows")
-        for k in (*PARTS, "total"):
+        for k in (*PARTS, "total", "abs_total"):
             val = torch.stack([s[k] for s in layer_sums]).cpu().numpy()  # (L, h)
             out.setdefault(k, []).append(val)
     return {k: np.sum(v, axis=0) for k, v in out.items()}
@@ -139,8 +144,9 @@ class RecallResult:
         if layer is None:
             return {}
         with_att = [t for t in self.tasks if t.attention]
-        per_layer = {p: np.mean([t.attention[p] for t in with_att], axis=0).tolist() for p in PARTS}
-        return {"retrieval_layer": layer, **{p: per_layer[p][layer] for p in PARTS}, "per_layer": per_layer}
+        keys = (*PARTS, "net")
+        per_layer = {p: np.mean([t.attention[p] for t in with_att], axis=0).tolist() for p in keys}
+        return {"retrieval_layer": layer, **{p: per_layer[p][layer] for p in keys}, "per_layer": per_layer}
 
     def accuracy_by(self, key: str) -> dict[int, float]:
         """Mean accuracy over the settings sharing each value of ``key`` (``seq_len`` or ``num_pairs``)."""
@@ -221,9 +227,10 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
             h = torch.cat(hits)  # (examples, Q)
             att = {}
             if mass is not None:
-                share = {p: mass[p] / mass["total"] for p in PARTS}  # (L, h)
-                att = {p: share[p].mean(1).tolist() for p in PARTS}
-                att["per_head"] = {p: share[p].tolist() for p in PARTS}
+                share = {p: mass[p] / mass["abs_total"] for p in (*PARTS, "total")}  # (L, h)
+                share["net"] = share.pop("total")
+                att = {p: share[p].mean(1).tolist() for p in (*PARTS, "net")}
+                att["per_head"] = {p: share[p].tolist() for p in (*PARTS, "net")}
             results.append(TaskResult(task.to_dict(), task.name, float(h.float().mean()),
                                       float(h.all(1).float().mean()), int(h.numel()), int(h.shape[0]), att))
     finally:

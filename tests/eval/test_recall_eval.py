@@ -79,7 +79,28 @@ def test_attention_shares_of_uniform_attention(attention):
     expect = {"answer": (2 / t).mean(), "distractor_pairs": ((n2 - 2) / t).mean(), "rest": ((t - n2) / t).mean()}
     for p in PARTS:
         assert mass[p].shape == (2, 2 if attention == "diff" else 4)
-        np.testing.assert_allclose(mass[p] / mass["total"], float(expect[p]), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(mass[p] / mass["abs_total"], float(expect[p]), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(mass["total"], mass["abs_total"], rtol=1e-6)  # rows are positive here
+
+
+def test_attention_shares_of_a_negative_diff_row():
+    """lambda > 1 turns a uniform DIFF row negative: every share flips sign and the net share is -1
+    (the shares are normalised by sum(|a|), which stays well defined where sum(a) = 1 - lambda nears 0)."""
+    torch.manual_seed(0)
+    model = DiffLM(LMConfig(vocab_size=64, block_size=64, n_layer=1, n_embd=32, n_head=4, attention="diff")).eval()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.q_proj.weight.zero_()
+        attn.lambda_q1.fill_(0.5), attn.lambda_k1.fill_(0.5), attn.lambda_q2.zero_(), attn.lambda_k2.zero_()
+    assert float(attn.lambda_full()) > 1.5
+    task = RecallTask(vocab_size=64, seq_len=32, num_pairs=2)
+    b = make_recall_batch(task, 3, seed=0)
+    mass = attention_mass(model, b)
+    t = b.query_pos.double() + 1
+    np.testing.assert_allclose(mass["answer"] / mass["abs_total"], -float((2 / t).mean()), rtol=1e-6)
+    np.testing.assert_allclose(mass["total"] / mass["abs_total"], -1.0, rtol=1e-6)
+    res = evaluate_recall(model, [task], examples=3, measure_attention=True, show_progress=False)
+    assert res.tasks[0].attention["net"][0] == pytest.approx(-1.0)
 
 
 def test_evaluate_recall_result_and_errors(tmp_path):
@@ -93,7 +114,8 @@ def test_evaluate_recall_result_and_errors(tmp_path):
     assert set(d["accuracy_by_seq_len"]) == {"32", "64"} and set(d["accuracy_by_pairs"]) == {"2", "4"}
     att = d["attention"]
     assert att["retrieval_layer"] in (0, 1)
-    assert att["answer"] + att["distractor_pairs"] + att["rest"] == pytest.approx(1.0)
+    assert att["answer"] + att["distractor_pairs"] + att["rest"] == pytest.approx(att["net"])
+    assert 0 < att["net"] <= 1.0 + 1e-9
     assert "L64-N4" in res.to_markdown("m")
     json.dumps(d)
     out = plot_recall({"a": d, "b": d}, str(tmp_path / "r.png"))
