@@ -167,17 +167,17 @@ class RecallResult:
         layer = att.get("retrieval_layer")
         headers = ["setting", "seq len", "pairs", "queries", "accuracy", "all queries right"]
         if layer is not None:
-            headers += [f"answer share (layer {layer})", "distractor pairs", "rest"]
+            headers += [f"answer share (layer {layer})", "distractor pairs", "rest", "net"]
         rows = []
         for t in self.tasks:
             row = [t.name, t.task["seq_len"], t.task["num_pairs"], t.queries, t.accuracy, t.sequence_accuracy]
             if layer is not None:
-                row += [t.attention[p][layer] if t.attention else float("nan") for p in PARTS]
+                row += [t.attention[p][layer] if t.attention else float("nan") for p in (*PARTS, "net")]
             rows.append(row)
         mean = ["mean", "", "", sum(t.queries for t in self.tasks), self.accuracy,
                 float(np.mean([t.sequence_accuracy for t in self.tasks]))]
         if layer is not None:
-            mean += [att[p] for p in PARTS]
+            mean += [att[p] for p in (*PARTS, "net")]
         rows.append(mean)
         return f"Associative recall (MQAR): {name}, seed {self.seed}\n\n" + markdown_table(headers, rows, ".3f")
 
