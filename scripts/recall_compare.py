@@ -12,7 +12,7 @@ exists with the same settings. At the end (or with ``--aggregate-only``) it writ
 that markdown file.
 
     python scripts/recall_compare.py --out results/recall                       # the committed comparison
-    python scripts/recall_compare.py --out /tmp/pilot --variants standard --widths 64 --seeds 0 --steps 300
+    python scripts/recall_compare.py --out pilot-out --variants standard --widths 64 --seeds 0 --steps 300
     python scripts/recall_compare.py --out results/recall --aggregate-only --docs docs/results.md
 """
 from __future__ import annotations
@@ -63,6 +63,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="re-score the runs in OUT/runs with the models saved in MODELS (no training)")
     p.add_argument("--force", action="store_true", help="rerun runs whose JSON has different settings")
     p.add_argument("--docs", help="markdown file whose recall-comparison section is replaced by the tables")
+    p.add_argument("--include", action="append", default=[], metavar="FOLDER=NAME",
+                   help="also aggregate the runs of another --out FOLDER (e.g. an ablation) as model NAME")
     return p.parse_args(argv)
 
 
@@ -156,6 +158,12 @@ def write_outputs(a: argparse.Namespace, study: RecallStudy) -> dict:
     runs = load_runs(os.path.join(a.out, "runs"))
     if not runs:
         sys.exit(f"no runs under {os.path.join(a.out, 'runs')}")
+    for spec in a.include:
+        folder, _, name = spec.rpartition("=")
+        extra = load_runs(os.path.join(folder, "runs"))
+        if not folder or not name or not extra:
+            sys.exit(f"--include {spec}: expected FOLDER=NAME with runs under FOLDER/runs")
+        runs += [dict(r, variant=name, included_from=folder) for r in extra]
     agg = aggregate(runs, baseline=study.variants[0] if "standard" not in study.variants else "standard")
     agg["study"] = runs[0].get("settings", {})
     agg["runs"] = len(runs)

@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 from diffmm.demo.summary import Metric, fmt, fmt_delta, mean_std, paired, summarize
 
 VARIANTS = ("standard", "diff", "diff_v2")
-LABELS = {"standard": "Transformer", "diff": "DIFF V1", "diff_v2": "DIFF V2"}
+LABELS = {"standard": "Transformer", "diff": "DIFF V1", "diff_v2": "DIFF V2",
+          "diff_lambda_constant": "DIFF V1, lambda_init 0.8"}
 
 
 @dataclass
@@ -127,15 +128,17 @@ def load_saved_model(path: str):
 
 # ---------------------------------------------------------------------------------- aggregation
 BASE_METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "recall accuracy, mean over settings %", ("eval", "accuracy"), True, True, 1),
-    Metric("answer_share", "attention on the answer pair %", ("eval", "attention", "answer"), True, True, 1),
-    Metric("distractor_share", "attention on distractor pairs %", ("eval", "attention", "distractor_pairs"),
+    Metric("accuracy", "recall accuracy %", ("eval", "accuracy"), True, True, 1),
+    Metric("answer_share", "attention: answer %", ("eval", "attention", "answer"), True, True, 1),
+    Metric("distractor_share", "attention: distractor pairs %", ("eval", "attention", "distractor_pairs"),
            False, True, 1),
-    Metric("rest_share", "attention on the rest (filler, false pairs) %", ("eval", "attention", "rest"), False,
+    Metric("rest_share", "attention: rest %", ("eval", "attention", "rest"), False,
            True, 1),
-    Metric("train_loss", "final answer loss (train)", ("train", "final_train_loss"), False, digits=3),
-    Metric("net_share", "net attention (signed / absolute sum) %", ("eval", "attention", "net"), None, True, 1),
-    Metric("seconds", "training seconds (loaded machine)", ("train", "seconds"), None, digits=0),
+    Metric("train_loss", "train answer loss", ("train", "final_train_loss"), False, digits=3),
+    Metric("net_share", "attention: net %", ("eval", "attention", "net"), None, True, 1),
+    Metric("answer_of_net", "answer / net %", ("eval", "attention", "answer_of_net"), True,
+           True, 1),
+    Metric("seconds", "train seconds (loaded machine)", ("train", "seconds"), None, digits=0),
 )
 
 
@@ -157,7 +160,13 @@ def recall_metrics(runs: Sequence[dict]) -> tuple[Metric, ...]:
 def aggregate(runs: Sequence[dict], baseline: str = "standard") -> dict[str, Any]:
     """Per width: params, mean ± std per attention type, paired differences (each type - ``baseline``, and
     ``diff_v2 - diff``) over the seeds both have. Keys are strings (JSON)."""
+    from diffmm.eval.recall import answer_of_net
+
     metrics = recall_metrics(runs)
+    for r in runs:  # records written before answer_of_net existed
+        att = (r.get("eval") or {}).get("attention")
+        if att and "answer_of_net" not in att:
+            att["answer_of_net"] = answer_of_net(att)
     out: dict[str, Any] = {"baseline": baseline, "widths": {}}
     widths = sorted({int(r["width"]) for r in runs})
     for w in widths:
@@ -210,15 +219,21 @@ def recall_markdown(agg: dict, *, per_setting: bool = True) -> str:
         names = [LABELS.get(v, v) for v in e["variants"]]
         seeds = sorted({s for v in e["variants"] for s in e["seeds"][v]})
         md.append(f"**Width {w}** (seeds {', '.join(map(str, seeds))}; mean ± std over seeds)\n")
-        cols = ["accuracy", "answer_share", "distractor_share", "rest_share", "net_share", "train_loss", "seconds"]
+        cols = ["accuracy", "answer_share", "distractor_share", "rest_share", "net_share", "answer_of_net",
+                "train_loss", "seconds"]
         rows = []
         for v, name in zip(e["variants"], names):
             p = e["params"][v]
             rows.append([name, f"{p['total']:,} / {p['non_embedding']:,}"]
                         + [fmt(e["summary"][v].get(k, {}), m[k]) for k in cols])
         md.append(_table(["model", "params (total / non-embedding)"] + [m[k].label for k in cols], rows))
+        md.append("\nRecall accuracy: mean over the evaluation settings. Attention: the query's attention at the "
+                  "retrieval layer, as shares of its absolute mass sum(|a|) on the queried pair (answer), the other "
+                  "pairs and the rest; net = sum(a) / sum(|a|) (100 % for softmax; less where a DIFF map cancels); "
+                  "answer / net = the answer's share of what is left after cancellation. Train answer loss: the "
+                  "last 10 % of training.\n")
         if e["paired"]:
-            pcols = ["accuracy", "answer_share", "distractor_share", "train_loss"]
+            pcols = ["accuracy", "answer_share", "distractor_share", "answer_of_net", "train_loss"]
             rows = []
             for name, p in e["paired"].items():
                 a, b = name.split(" - ")

@@ -107,6 +107,16 @@ def attention_mass(model: torch.nn.Module, batch: RecallBatch, *, chunk: int = 8
     return {k: np.sum(v, axis=0) for k, v in out.items()}
 
 
+def answer_of_net(attention: dict) -> Optional[float]:
+    """``answer / net`` of an attention summary: the fraction of what is left after cancellation that lands on
+    the answer (= the answer share of a softmax row; the needle test's row-sum normalisation). None when the
+    net share is not positive."""
+    net = attention.get("net")
+    if not net or net <= 0 or attention.get("answer") is None:
+        return None
+    return float(attention["answer"] / net)
+
+
 @dataclass
 class TaskResult:
     """Scores of one setting."""
@@ -146,7 +156,9 @@ class RecallResult:
         with_att = [t for t in self.tasks if t.attention]
         keys = (*PARTS, "net")
         per_layer = {p: np.mean([t.attention[p] for t in with_att], axis=0).tolist() for p in keys}
-        return {"retrieval_layer": layer, **{p: per_layer[p][layer] for p in keys}, "per_layer": per_layer}
+        out = {"retrieval_layer": layer, **{p: per_layer[p][layer] for p in keys}, "per_layer": per_layer}
+        out["answer_of_net"] = answer_of_net(out)
+        return out
 
     def accuracy_by(self, key: str) -> dict[int, float]:
         """Mean accuracy over the settings sharing each value of ``key`` (``seq_len`` or ``num_pairs``)."""
