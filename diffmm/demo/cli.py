@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the 5-minute variant (1 seed, fewer steps)")
     p.add_argument("--out", default="report", help="report folder (default: report)")
     p.add_argument("--data", default="data", help="demo data folder; built there when missing (default: data)")
-    p.add_argument("--parts", type=_parts, help=f"what to run, subset of {','.join(PARTS)} (default: both)")
+    p.add_argument("--parts", type=_parts, help=f"what to run, subset of {','.join(PARTS)} (default: all)")
     p.add_argument("--seeds", type=_ints, help="comma-separated seeds (full: 0,1,2; quick: 0)")
     p.add_argument("--clip-steps", type=int, help="CLIP training steps per run")
     p.add_argument("--lm-steps", type=int, help="LM training steps per run")

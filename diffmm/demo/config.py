@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-#: the two parts of the demo
-PARTS = ("clip", "lm")
+#: the parts of the demo
+PARTS = ("clip", "lm", "recall")
 
 
 @dataclass
@@ -21,7 +21,8 @@ class DemoConfig:
     Attributes:
         out: report folder (``report.md``, ``results.json``, plots, ``runs/`` with the training logs).
         data: demo data folder (built by :mod:`diffmm.data` builders when missing).
-        parts: which parts run: ``clip`` (CLIP vs DiffCLIP), ``lm`` (DIFF vs Transformer LM).
+        parts: which parts run: ``clip`` (CLIP vs DiffCLIP), ``lm`` (DIFF vs Transformer LM), ``recall``
+            (associative recall: Transformer vs DIFF V1 vs DIFF V2 at equal parameters).
         seeds: one training run per model per seed; both models of a pair share seed, data order and budget.
         install: let the data builders install missing apt/npm sources.
         threads: torch CPU threads; 0 = all cores, or 1 when the machine is already busy (load >= cores).
@@ -42,6 +43,10 @@ class DemoConfig:
             multi-needle retrieval settings (``diffmm.eval.NeedleConfig``).
         outlier_batches: validation batches for the activation-outlier statistics.
         log_every: training log interval (steps) of the CSV logs behind the loss curves.
+        recall_variants, recall_width, recall_heads, recall_layers, recall_vocab, recall_train_seq_lens,
+            recall_train_pairs, recall_eval_seq_lens, recall_eval_pairs, recall_noise, recall_steps,
+            recall_batch_tokens, recall_lr, recall_examples: the recall section
+            (``diffmm.demo.recall.RecallStudy``; the seeds are ``seeds``).
     """
 
     out: str = "report"
@@ -85,6 +90,21 @@ class DemoConfig:
     needle_digits: int = 4
     outlier_batches: int = 8
     log_every: int = 5
+    # associative recall (MQAR): Transformer vs DIFF V1 vs DIFF V2, parameter-matched
+    recall_variants: tuple[str, ...] = ("standard", "diff", "diff_v2")
+    recall_width: int = 64
+    recall_heads: int = 4
+    recall_layers: int = 2
+    recall_vocab: int = 64
+    recall_train_seq_lens: tuple[int, ...] = (16,)
+    recall_train_pairs: tuple[int, ...] = (2, 4)
+    recall_eval_seq_lens: tuple[int, ...] = (16, 64)
+    recall_eval_pairs: tuple[int, ...] = (2, 4)
+    recall_noise: float = 0.25
+    recall_steps: int = 150
+    recall_batch_tokens: int = 2048
+    recall_lr: float = 3e-3
+    recall_examples: int = 128
 
     def __post_init__(self) -> None:
         bad = [p for p in self.parts if p not in PARTS]
@@ -94,7 +114,7 @@ class DemoConfig:
             raise ValueError("demo: give at least one seed")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"demo: seeds repeat: {list(self.seeds)}")
-        for name in ("clip_steps", "clip_batch", "lm_steps", "lm_batch", "zs_batch", "log_every"):
+        for name in ("clip_steps", "clip_batch", "lm_steps", "lm_batch", "zs_batch", "log_every", "recall_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
         if self.holdout_style in self.train_styles:
@@ -112,6 +132,7 @@ FULL = DemoConfig()
 
 #: the 5-minute run: one seed, fewer steps, smaller evaluation sets.
 QUICK = DemoConfig(seeds=(0,), clip_steps=60, lm_steps=60, clip_warmup=6, lm_warmup=6, fmnist_images=512,
-                   holdout_images=512, attention_images=2, lm_val_batches=16, needle_trials=2, outlier_batches=2)
+                   holdout_images=512, attention_images=2, lm_val_batches=16, needle_trials=2, outlier_batches=2,
+                   recall_steps=80, recall_examples=64)
 
 PRESETS = {"full": FULL, "quick": QUICK}

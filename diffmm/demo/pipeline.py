@@ -36,11 +36,16 @@ def _setter(d: dict, key: str, relative_to: Optional[str] = None) -> Callable[[A
 
 def planned_steps(cfg: DemoConfig) -> int:
     """How many steps the run will announce (for the ``[k/N]`` headers)."""
-    n, s = 1, len(cfg.seeds)  # + the lambda plot
+    s = len(cfg.seeds)
+    n = 1 if "clip" in cfg.parts or "lm" in cfg.parts else 0  # the lambda plot
     if "clip" in cfg.parts:
         n += 1 + s * 2 * (1 + len(CLIP_EVALS)) + 2
     if "lm" in cfg.parts:
         n += 2 + s * 2 * (1 + len(LM_EVALS)) + 2
+    if "recall" in cfg.parts:
+        from diffmm.demo.recall import demo_steps
+
+        n += demo_steps(cfg)
     return n
 
 
@@ -235,7 +240,12 @@ class Demo:
                 self.clip()
             if "lm" in self.cfg.parts:
                 self.lm()
-            self.lambda_plot()
+            if "clip" in self.cfg.parts or "lm" in self.cfg.parts:
+                self.lambda_plot()
+            if "recall" in self.cfg.parts:
+                from diffmm.demo.recall import run_demo_part
+
+                run_demo_part(self)
         finally:
             r = self.results
             load = os.getloadavg() if hasattr(os, "getloadavg") else None

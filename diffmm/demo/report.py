@@ -250,6 +250,10 @@ def render_markdown(results: dict, out: Optional[str] = None) -> str:
     plots = results.get("plots", {})
     if clip or lm:
         md.append("\n## Lambda per layer\n\n" + _img(plots.get("lambda"), out, "lambda per layer", run_out))
+    if results.get("recall"):
+        from diffmm.demo.recall import report_section
+
+        md.append(report_section(results, lambda p, alt: _img(p, out, alt, run_out)))
     md.append("\n## Steps\n\n" + _table(["step", "status", "seconds", "CPU seconds", "error"],
                                        [[s["name"], s["status"], f"{s['seconds']:.1f}", f"{s['cpu_seconds']:.1f}",
                                          s.get("error") or ""] for s in steps]))

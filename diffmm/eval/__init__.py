@@ -21,6 +21,7 @@ _EXPORTS = {
     "plot_loss_curves": "plots", "load_clip": "loading", "load_lm": "loading", "EvalError": "common",
     "classify_images": "classify", "Predictions": "classify", "ImageListSource": "image_sources",
     "expand_image_inputs": "image_sources",
+    "evaluate_recall": "recall", "plot_recall": "recall",
 }
 __all__ = sorted(_EXPORTS)
 

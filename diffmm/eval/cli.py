@@ -178,6 +178,25 @@ def cmd_needle(a) -> int:
     return _finish(a, {"task": "needle", "lm": a.lm, "runs": {str(L): r.to_dict() for L, r in res.items()}}, md)
 
 
+def cmd_recall(a) -> int:
+    from diffmm.eval.recall import evaluate_recall, load_recall_lm, plot_recall, tasks_from_grid
+
+    model = load_recall_lm(a.lm, vocab_size=a.vocab, block_size=max(a.seq_len), device=a.device, seed=a.seed,
+                           trust_pickle=a.trust_pickle)
+    vocab = a.vocab or getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise EvalError(f"{a.lm}: the model has no config.vocab_size; give --vocab")
+    tasks = tasks_from_grid(vocab, a.seq_len, a.pairs, noise=a.noise, num_queries=a.queries,
+                            query_power=a.query_power)
+    res = evaluate_recall(model, tasks, examples=a.examples, batch_size=a.batch_size, seed=a.seed,
+                          measure_attention=not a.no_attention, attention_examples=a.attention_examples,
+                          show_progress=not a.no_progress)
+    if a.plot:
+        plot_recall({a.label or a.lm: res.to_dict()}, a.plot)
+        print(f"wrote {a.plot}", file=sys.stderr)
+    return _finish(a, {"task": "recall", "lm": a.lm, **res.to_dict()}, res.to_markdown(a.label or a.lm))
+
+
 def cmd_outliers(a) -> int:
     from diffmm.data.stream import ShardLoader
     from diffmm.data.text import TextDataset
@@ -337,6 +356,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--attention", action="store_true", help="also measure the attention share on the needle")
     p.add_argument("--plot", help="PNG of accuracy (and attention) per depth")
+    _common(p)
+
+    p = add("recall", cmd_recall, "associative recall (MQAR): accuracy per sequence length / pairs, attention shares")
+    p.add_argument("--lm", required=True, help="Lightning .ckpt (diffmm fit --config configs/recall_*.yaml), LM "
+                                               "folder, or config:NAME for random weights")
+    p.add_argument("--vocab", type=int, help="task vocabulary (default: the model's vocab_size)")
+    p.add_argument("--seq-len", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16, 32], help="key-value pairs per sequence")
+    p.add_argument("--queries", type=int, help="queries per sequence (default: every pair)")
+    p.add_argument("--noise", type=float, default=1.0, help="probability of a random key/value filler token")
+    p.add_argument("--query-power", type=float, default=0.01, help="query offset law p(i) ~ i^(a-1); 1 = uniform")
+    p.add_argument("--examples", type=int, default=256, help="sequences per setting")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--attention-examples", type=int, default=64, help="sequences per setting for attention shares")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention shares")
+    p.add_argument("--seed", type=int, default=0, help="evaluation-set seed (and random-weight seed)")
+    p.add_argument("--label", help="model name in the table and plot")
+    p.add_argument("--plot", help="PNG: accuracy per setting and attention shares")
+    p.add_argument("--trust-pickle", action="store_true")
     _common(p)
 
     p = add("outliers", cmd_outliers, "top-1/10/median attention logits and hidden states (DIFF paper Table 5)")

@@ -11,6 +11,7 @@ _EXPORTS = {
     "ImageTextDataModule": "datamodules", "TextDataModule": "datamodules", "ShardDataModule": "datamodules",
     "ContrastiveLoss": "losses", "ResumableLoader": "resume", "AtomicCheckpointIO": "checkpoint_io",
     "param_groups": "optim", "WarmupCosine": "optim", "ConfigError": "errors", "BlockFSDPStrategy": "strategies",
+    "RecallLMModule": "recall_module", "RecallDataModule": "recall_data",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -96,7 +96,7 @@ def _tiny_config(data: str, out: str, **changes) -> DemoConfig:
 
 def test_demo_end_to_end_writes_report(demo_data, tmp_path):
     out = str(tmp_path / "report")
-    rc = run_demo(_tiny_config(demo_data, out), command="test")
+    rc = run_demo(_tiny_config(demo_data, out, parts=("clip", "lm")), command="test")  # recall: test_demo_recall.py
     assert rc == 0
     for name in ("report.md", "results.json", "demo.log", "clip_loss_curves.png", "lm_loss_curves.png",
                  "lambda_per_layer.png", "needle.png", os.path.join("attention", "attention_0.png")):

@@ -1,0 +1,299 @@
+"""Multi-query associative recall (MQAR, Zoology: Arora et al. 2023) as a seeded, generated dataset.
+
+A sequence starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ... kN vN`` (distinct keys, distinct
+values); the rest of the sequence holds ``num_queries`` of those keys again, each at an even offset
+of the query region, and filler elsewhere. The target at a query key's position is its value, so a
+causal LM must look the key up in its context; every other position has target ``IGNORE`` (-100),
+so the loss is taken on the answers only, as in Zoology.
+
+Vocabulary (``vocab_size`` V): token 0 is the blank filler, keys are ``1 .. K`` and values
+``K+1 .. V-1`` with ``K = (V - 1) // 2``. ``noise`` is the distractor level: each filler position holds
+a uniformly random key or value token with probability ``noise`` (1.0 = Zoology's ``random_non_queries``),
+else the blank. Random keys in the query region, often followed by random values, are false pairs an
+attention head can latch onto instead of the real one.
+
+Query offsets follow Zoology's power law over the ``(seq_len - 2N) // 2`` two-token slots,
+``p(i) ~ i^(a-1)`` with ``a = query_power`` (0.01: most queries sit soon after the pairs), or uniform
+when ``query_power`` is 1. Everything is a function of ``(seed, index)``, so a batch can be rebuilt
+anywhere (resuming, DDP ranks, evaluation) without storing it.
+
+    >>> task = RecallTask(vocab_size=256, seq_len=128, num_pairs=8)
+    >>> b = make_recall_batch(task, batch_size=4, seed=0)
+    >>> b.inputs.shape, b.targets.shape         # (4, 128), (4, 128); targets -100 except at queries
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+IGNORE = -100
+BLANK = 0
+SPLITS = ("train", "eval", "mixture")
+
+
+@dataclass(frozen=True)
+class RecallTask:
+    """One MQAR setting.
+
+    Attributes:
+        vocab_size: total vocabulary V (blank 0, keys ``1..K``, values ``K+1..V-1``, K = (V-1)//2).
+        seq_len: input tokens per sequence.
+        num_pairs: key-value pairs at the start of the sequence.
+        num_queries: pairs queried later (distinct keys); None = all ``num_pairs`` (Zoology's MQAR).
+        noise: probability that a filler position holds a random key/value token instead of the blank.
+        query_power: exponent ``a`` of the query-offset law ``p(i) ~ i^(a-1)`` (0.01 as Zoology; 1 = uniform).
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    num_pairs: int = 8
+    num_queries: Optional[int] = None
+    noise: float = 1.0
+    query_power: float = 0.01
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"RecallTask: {msg}")
+
+        for name in ("vocab_size", "seq_len", "num_pairs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{name} must be a positive int, got {v!r}")
+        if self.num_queries is not None and (not isinstance(self.num_queries, int) or
+                                             not 1 <= self.num_queries <= self.num_pairs):
+            raise bad(f"num_queries must be in 1..num_pairs ({self.num_pairs}), got {self.num_queries!r}")
+        if self.num_keys < self.num_pairs or self.num_values < self.num_pairs:
+            raise bad(f"vocab_size {self.vocab_size} has {self.num_keys} keys and {self.num_values} values; "
+                      f"num_pairs {self.num_pairs} needs at least that many of each (vocab_size >= "
+                      f"{2 * self.num_pairs + 1})")
+        if self.slots < self.queries:
+            raise bad(f"seq_len {self.seq_len} leaves {self.slots} query slots after {self.num_pairs} pairs; "
+                      f"{self.queries} queries need seq_len >= {2 * self.num_pairs + 2 * self.queries}")
+        if not 0.0 <= float(self.noise) <= 1.0:
+            raise bad(f"noise must lie in [0, 1], got {self.noise!r}")
+        if not float(self.query_power) > 0:
+            raise bad(f"query_power must be > 0, got {self.query_power!r}")
+
+    # ----- derived sizes ----------------------------------------------------------------------
+    @property
+    def num_keys(self) -> int:
+        return (self.vocab_size - 1) // 2
+
+    @property
+    def num_values(self) -> int:
+        return self.vocab_size - 1 - self.num_keys
+
+    @property
+    def queries(self) -> int:
+        """Queries per sequence."""
+        return self.num_pairs if self.num_queries is None else self.num_queries
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of the key-value block at the start."""
+        return 2 * self.num_pairs
+
+    @property
+    def slots(self) -> int:
+        """Two-token query slots after the key-value block."""
+        return (self.seq_len - self.context_len) // 2
+
+    @property
+    def name(self) -> str:
+        """Short label, e.g. ``L128-N8`` (``-Q4`` when fewer queries than pairs; noise is not in the name)."""
+        s = f"L{self.seq_len}-N{self.num_pairs}"
+        if self.num_queries is not None and self.num_queries != self.num_pairs:
+            s += f"-Q{self.num_queries}"
+        return s
+
+    def replace(self, **changes: Any) -> "RecallTask":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "RecallTask") -> "RecallTask":
+        """Build from a dict; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; expected some of "
+                             f"{', '.join(sorted(known))}")
+        return cls(**d)
+
+
+@dataclass
+class RecallBatch:
+    """Generated sequences with their answers.
+
+    Attributes:
+        inputs: (B, T) token ids.
+        targets: (B, T) the value at every query position, ``IGNORE`` elsewhere.
+        keys, values: (B, N) the pairs in context order (pair j sits at positions 2j, 2j+1).
+        query_pos: (B, Q) input positions of the queried keys (ascending).
+        query_pair: (B, Q) which pair each query asks for.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    query_pos: torch.Tensor
+    query_pair: torch.Tensor
+    task: RecallTask
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def as_training(self) -> dict[str, torch.Tensor]:
+        """``{"inputs", "targets"}``: what the training module consumes."""
+        return {"inputs": self.inputs, "targets": self.targets}
+
+
+def _rng(seed: int, index: int, stream: int = 0) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(index), int(stream), 0x5EC]))
+
+
+def _sample_without_replacement(rng: np.random.Generator, weights: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """(rows, k) indices drawn without replacement with probabilities ~ ``weights`` (Gumbel top-k)."""
+    g = np.log(weights)[None, :] - np.log(-np.log(rng.random((rows, weights.shape[0]))))
+    return np.argsort(-g, axis=1, kind="stable")[:, :k]
+
+
+def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: int = 0, *,
+                      split: str = "train") -> RecallBatch:
+    """Batch number ``index`` of the stream ``seed`` for ``task``: a pure function of its arguments.
+
+    ``split`` (``train`` or ``eval``) selects disjoint random streams, so evaluation sets never
+    repeat a training batch of the same seed.
+    """
+    if batch_size < 1:
+        raise ValueError(f"make_recall_batch: batch_size must be >= 1, got {batch_size}")
+    if split not in SPLITS:
+        raise ValueError(f"make_recall_batch: split must be one of {SPLITS}, got {split!r}")
+    rng = _rng(seed, index, SPLITS.index(split))
+    B, N, Q, T = batch_size, task.num_pairs, task.queries, task.seq_len
+    K = task.num_keys
+    keys = 1 + np.argsort(rng.random((B, K)), axis=1)[:, :N]                     # (B, N) distinct keys
+    values = 1 + K + np.argsort(rng.random((B, task.num_values)), axis=1)[:, :N]  # (B, N) distinct values
+    x = np.full((B, T), BLANK, dtype=np.int64)
+    x[:, 0:2 * N:2], x[:, 1:2 * N:2] = keys, values
+    # filler: random key/value tokens with probability `noise`, on every position after the pairs
+    filler = rng.integers(1, task.vocab_size, size=(B, T - 2 * N))
+    use = rng.random((B, T - 2 * N)) < task.noise
+    x[:, 2 * N:] = np.where(use, filler, BLANK)
+    # queries: Q distinct pairs, at Q distinct slots drawn by the power law
+    pair = np.argsort(rng.random((B, N)), axis=1)[:, :Q]                          # (B, Q)
+    i = np.arange(1, task.slots + 1, dtype=np.float64)
+    slot = _sample_without_replacement(rng, task.query_power * i ** (task.query_power - 1.0), B, Q)
+    order = np.argsort(slot, axis=1)
+    slot, pair = np.take_along_axis(slot, order, 1), np.take_along_axis(pair, order, 1)
+    pos = 2 * N + 2 * slot                                                         # (B, Q)
+    rows = np.arange(B)[:, None]
+    x[rows, pos] = keys[rows, pair]
+    y = np.full((B, T), IGNORE, dtype=np.int64)
+    y[rows, pos] = values[rows, pair]
+    t = torch.from_numpy
+    return RecallBatch(t(x), t(y), t(keys), t(values), t(pos), t(pair), task)
+
+
+def eval_batches(task: RecallTask, examples: int, batch_size: int, seed: int) -> Iterator[RecallBatch]:
+    """``examples`` sequences of ``task`` in batches (the last one smaller): a fixed evaluation set per seed."""
+    n, index = 0, 0
+    while n < examples:
+        b = min(batch_size, examples - n)
+        yield make_recall_batch(task, b, seed=seed, index=index, split="eval")
+        n += b
+        index += 1
+
+
+def task_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterable[int], *, noise: float = 1.0,
+              num_queries: Optional[int] = None, query_power: float = 0.01) -> tuple[list[RecallTask], list[str]]:
+    """Every ``(seq_len, pairs)`` setting that fits, and the labels of those left out (e.g. ``L64-N32``).
+
+    ``num_queries`` is capped at each setting's pairs. Raises ValueError (with the reason) when none fits.
+    """
+    tasks, skipped, why = [], [], ""
+    for L in seq_lens:
+        for n in num_pairs:
+            try:
+                tasks.append(RecallTask(vocab_size=vocab_size, seq_len=int(L), num_pairs=int(n), noise=noise,
+                                        num_queries=None if num_queries is None else min(int(num_queries), int(n)),
+                                        query_power=query_power))
+            except ValueError as e:
+                skipped.append(f"L{L}-N{n}")
+                why = str(e)
+    if not tasks:
+        raise ValueError(f"no setting of seq_len {list(seq_lens)} x pairs {list(num_pairs)} fits: {why or 'empty'}")
+    return tasks, skipped
+
+
+def task_weights(tasks: Sequence[RecallTask], weights: Optional[Sequence[float]]) -> np.ndarray:
+    """Normalised mixture weights (uniform when None)."""
+    if not tasks:
+        raise ValueError("recall: give at least one task")
+    w = np.ones(len(tasks)) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(tasks),) or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"recall: weights {list(weights or [])} must be {len(tasks)} non-negative numbers, "
+                         f"not all 0")
+    return w / w.sum()
+
+
+class RecallStream(torch.utils.data.IterableDataset):
+    """Endless training batches ``{"inputs", "targets"}`` from a mixture of :class:`RecallTask` s.
+
+    Batch ``n`` (counted over the whole run) uses task ``tasks[c]`` with ``c`` drawn from ``weights``
+    by ``(seed, n)``, and its sequences are ``make_recall_batch(task, batch_size, seed', n)``; so
+    batch ``n`` is the same whatever the worker, rank split or restart. Under DDP rank ``r`` of ``W``
+    takes batches ``n*W + r``. ``start`` skips the first batches of this rank (resuming).
+
+    Args:
+        tasks: the settings mixed; every batch comes from one of them (one sequence length per batch).
+        batch_size: sequences per batch.
+        seed: stream seed.
+        weights: mixture weights (default uniform).
+        rank, world_size: DDP position.
+        start: batches of this rank already consumed.
+        batch_tokens: when set, a batch of a setting holds ``max(1, batch_tokens // seq_len)`` sequences
+            instead of ``batch_size`` (about the same cost per step for short and long settings).
+    """
+
+    def __init__(self, tasks: Sequence[RecallTask], batch_size: int, seed: int = 0,
+                 weights: Optional[Sequence[float]] = None, rank: int = 0, world_size: int = 1, start: int = 0,
+                 batch_tokens: Optional[int] = None) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"RecallStream: batch_size must be >= 1, got {batch_size}")
+        if batch_tokens is not None and batch_tokens < 1:
+            raise ValueError(f"RecallStream: batch_tokens must be >= 1, got {batch_tokens}")
+        self.tasks, self.batch_size, self.seed = list(tasks), int(batch_size), int(seed)
+        self.batch_tokens = None if batch_tokens is None else int(batch_tokens)
+        self.weights = task_weights(self.tasks, weights)
+        self.rank, self.world_size, self.start = int(rank), int(world_size), int(start)
+
+    def task_of(self, n: int) -> RecallTask:
+        """The task of global batch ``n``."""
+        u = _rng(self.seed, n, SPLITS.index("mixture")).random()
+        return self.tasks[min(int(np.searchsorted(np.cumsum(self.weights), u, side="right")), len(self.tasks) - 1)]
+
+    def rows(self, task: RecallTask) -> int:
+        """Sequences per batch of ``task``."""
+        return self.batch_size if self.batch_tokens is None else max(1, self.batch_tokens // task.seq_len)
+
+    def batch(self, n: int) -> dict[str, torch.Tensor]:
+        """Global batch ``n``."""
+        task = self.task_of(n)
+        return make_recall_batch(task, self.rows(task), seed=self.seed, index=n).as_training()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        k = self.start + wid
+        while True:
+            yield self.batch(k * self.world_size + self.rank)
+            k += nw
