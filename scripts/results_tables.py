@@ -68,10 +68,20 @@ def demo_preset(cfg: dict) -> str:
     return "custom"
 
 
+def _recorded_preset(root: str) -> str | None:
+    """The preset recorded when the run was imported (``results/demo/config.json``): the presets' code may
+    change after a run, so the docs follow what was recorded, not today's defaults."""
+    path = os.path.join(root, "results", "demo", "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("preset")
+
+
 def demo_run(root: str) -> str:
     r = _load_demo(root)
     cfg, env = r["config"], r["environment"]
-    preset = demo_preset(cfg)
+    preset = _recorded_preset(root) or demo_preset(cfg)
     steps = r.get("steps", [])
     failed = [s["name"] for s in steps if s["status"] == "failed"]
     rows = [
