@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from diffmm.nn.kv_cache import KVCache
-from diffmm.nn.lambdas import resolve_lambda_init
+from diffmm.nn.lambdas import lambda_full, resolve_lambda_init
 from diffmm.nn.norm import RMSNorm
 from diffmm.nn.rope import apply_rope
 from diffmm.ops import diff_attention
@@ -88,10 +88,7 @@ class DiffAttention(nn.Module):
 
     def lambda_full(self) -> torch.Tensor:
         """``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`` as a 0-d tensor in fp32 (fp64 for fp64 params)."""
-        ct = torch.promote_types(self.lambda_q1.dtype, torch.float32)
-        l1 = torch.exp(torch.sum(self.lambda_q1.to(ct) * self.lambda_k1.to(ct)))
-        l2 = torch.exp(torch.sum(self.lambda_q2.to(ct) * self.lambda_k2.to(ct)))
-        return l1 - l2 + self.lambda_init
+        return lambda_full(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
 
     def _qkv(self, x: torch.Tensor, rope, kv_cache):
         """Project x (B, N, E) to q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); RoPE and cache applied."""

@@ -119,19 +119,44 @@ def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
 
 
-def _norm_forward(a: torch.Tensor, w: torch.Tensor | None, eps: float):
-    """Per-head RMSNorm of a (..., 2d): returns y = a * rstd * w and rstd (..., 1)."""
-    rstd = torch.rsqrt(a.pow(2).mean(-1, keepdim=True).add_(eps))
-    y = a * rstd
+def _norm_forward(a: torch.Tensor, w: torch.Tensor | None, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm of ``a`` (B, h, N, 2d), written transposed into ``out`` (B, N, h, 2d) as ``a * rstd * w``.
+
+    Returns rstd (B, h, N, 1). Two passes over ``a`` (the norm reads it, the product writes ``out``) plus the
+    weight's pass over ``out``; the transpose rides on the product.
+    """
+    rstd = torch.linalg.vector_norm(a, 2, -1, keepdim=True).square_().div_(a.shape[-1]).add_(eps).rsqrt_()
+    torch.mul(a.transpose(1, 2), rstd.transpose(1, 2), out=out)
     if w is not None:
-        y.mul_(w)
-    return y, rstd
+        out.mul_(w)
+    return rstd
+
+
+def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor | None,
+                   want_dw: bool):
+    """Backward of ``y = a * rstd * w`` (per-row RMSNorm over the last dim), in a's (B, h, N, 2d) layout.
+
+    ``dy`` may be a strided view (the transposed output gradient). Returns (da, dw); da is contiguous like a.
+    """
+    t = torch.mul(dy, a, out=torch.empty_like(a))  # contiguous, whatever dy's strides
+    rows = t.view(-1, t.shape[-1])
+    dw = torch.mv(rows.t(), rstd.view(-1)) if want_dw else None  # sum(dy * a * rstd) over rows
+    da = torch.empty_like(a)
+    if w is not None:
+        dot = torch.mv(rows, w).view(rstd.shape)  # rowsum(dy * w * a)
+        torch.mul(dy, w, out=da).mul_(rstd)
+    else:
+        dot = t.sum(-1, keepdim=True)
+        torch.mul(dy, rstd, out=da)
+    coef = rstd.pow(3).mul_(dot).div_(-a.shape[-1])  # -rstd^3 * mean(dy w a)
+    return da.addcmul_(a, coef), dw
 
 
 class _CombinedDiffAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lam, w, mask, is_causal, norm, eps, empty_rows, grad_wanted):
-        # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,) or None (norm scale)
+    def forward(ctx, q, k, v, lam, w, w_scale, mask, is_causal, norm, eps, empty_rows, grad_wanted):
+        # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,) or None: the norm weight, used
+        # as w * w_scale (the (1 - lambda_init) factor, a float; a tensor lambda_init arrives folded into w)
         B, N, H2, d = q.shape
         S, h_kv = k.shape[1], k.shape[2] // 2
         h = H2 // 2
@@ -150,9 +175,10 @@ class _CombinedDiffAttention(torch.autograd.Function):
         geo = _Geometry(q12, k12, mask, is_causal, grad_wanted)
         neg_lam = -lam
         buf = geo.buffer(q12)
-        a = q12.new_empty(B, N, h_kv, g, 2 * d)  # (B, N, h, 2d): the layout of the layer's output
         vb = vt.view(B * h_kv, S, 2 * d)
         maps = combined = None
+        # a: (B*h_kv, g*N, 2d) = (B, h, N, 2d), the layout of the batched products (one chunk: the product itself)
+        a = None if geo.single_chunk else q12.new_empty(B, h_kv, g, N, 2 * d)
         for i0, i1, s_vis in geo.chunks():
             p, _, _ = geo.scores(buf, q12, k12, i0, i1, s_vis)
             if geo.keep_maps:  # the maps and their combination both stay for the backward
@@ -161,20 +187,28 @@ class _CombinedDiffAttention(torch.autograd.Function):
             else:
                 pc = p[0].addcmul_(p[1], neg_lam)  # P1 - lam P2, in place: (B*h_kv, g*n, s_vis)
             o = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*n, 2d)
-            a[:, i0:i1].copy_(o.view(B, h_kv, g, i1 - i0, 2 * d).permute(0, 3, 1, 2, 4))
-        a = a.view(B, N, h, 2 * d)
-        if empty_rows is not None:
-            empty_rows = empty_rows.transpose(1, 2)  # (B|1, N, 1|h, 1) like a
+            if a is None:
+                a = o
+            else:
+                a[:, :, :, i0:i1].copy_(o.view(B, h_kv, g, i1 - i0, 2 * d))
+        a = a.view(B, h, N, 2 * d)
+        if empty_rows is not None:  # (B|1, 1, N, 1)
             a.masked_fill_(empty_rows, 0.0)
-        rstd = None
+        y = torch.empty(B, N, h, 2 * d, dtype=q.dtype, device=q.device)  # the layer's layout, in q's dtype
+        rstd = w_eff = None
         if norm:
-            y, rstd = _norm_forward(a, None if w is None else w.to(ct), eps)
+            if w is not None:
+                w_eff = w.to(ct) if w_scale == 1.0 else w.to(ct) * w_scale
+            elif w_scale != 1.0:
+                w_eff = torch.full((2 * d,), w_scale, dtype=ct, device=q.device)
+            rstd = _norm_forward(a, w_eff, eps, y)
         else:
-            y, a = a, None
-        ctx.save_for_backward(q12, k12, vt, lam, w, a, rstd, maps, combined)
-        ctx.geo, ctx.norm, ctx.empty_rows = geo, norm, empty_rows
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype)
-        return y.to(q.dtype)
+            y.copy_(a.transpose(1, 2))
+            a = None
+        ctx.save_for_backward(q12, k12, vt, lam, w_eff, a, rstd, maps, combined)
+        ctx.geo, ctx.norm, ctx.empty_rows, ctx.w_scale = geo, norm, empty_rows, w_scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype, None if w is None else w.dtype)
+        return y
 
     @staticmethod
     @once_differentiable
@@ -183,18 +217,28 @@ class _CombinedDiffAttention(torch.autograd.Function):
         geo = ctx.geo
         B, h_kv, g, N, d, S, h = geo.B, geo.h_kv, geo.g, geo.N, geo.d, geo.S, geo.h
         ct = q12.dtype
-        da, dw = _norm_backward(dy.to(ct), a, rstd, w) if ctx.norm else (dy.to(ct), None)
+        q_dt, k_dt, v_dt, lam_dt, w_dt = ctx.dtypes
+        dyt = dy.transpose(1, 2)  # (B, h, N, 2d): a view in the layout of a
+        if dyt.dtype != ct:
+            dyt = dyt.to(ct)
+        dw = None
+        if ctx.norm:
+            da, dw = _norm_backward(dyt, a, rstd, w, w_dt is not None and ctx.needs_input_grad[4])
+            if dw is not None:
+                dw = (dw if ctx.w_scale == 1.0 else dw.mul_(ctx.w_scale)).to(w_dt)
+        else:
+            da = dyt.contiguous()
         if ctx.empty_rows is not None:
-            da = da.masked_fill(ctx.empty_rows, 0.0)
+            da.masked_fill_(ctx.empty_rows, 0.0)
         neg_lam = -lam
         dq12 = torch.empty_like(q12)
         dk12 = torch.empty_like(k12)  # every key row is written once with beta=0 before it accumulates
         dv = torch.empty_like(vt)  # (B, h_kv, S, 2d)
         dlam = torch.zeros((), dtype=ct, device=q12.device)
-        buf = geo.buffer(q12)
+        buf = geo.buffer(q12) if maps is None else None
         dp_buf = q12.new_empty(B * h * geo.rows * S)
         vb, dvb, dkb = vt.view(B * h_kv, S, 2 * d), dv.view(B * h_kv, S, 2 * d), dk12.view(2 * B * h_kv, S, d)
-        da6 = da.view(B, N, h_kv, g, 2 * d)
+        da5 = da.view(B, h_kv, g, N, 2 * d)
         seen = 0  # keys [0, seen) already hold a partial dK / dV
         for i0, i1, s_vis in geo.chunks():
             n = i1 - i0
@@ -204,7 +248,7 @@ class _CombinedDiffAttention(torch.autograd.Function):
             else:
                 p, qc, kc = geo.scores(buf, q12, k12, i0, i1, s_vis)  # p (2, B*h_kv, g*n, s_vis)
                 ds = p  # the softmax backward runs in place over the recomputed maps
-            do = da6[:, i0:i1].permute(0, 2, 3, 1, 4).reshape(B * h_kv, g * n, 2 * d)
+            do = da5[:, :, :, i0:i1].reshape(B * h_kv, g * n, 2 * d)  # a view for one chunk
             dp = dp_buf[:B * h * n * s_vis].view(B * h_kv, g * n, s_vis)
             torch.bmm(do, vb[:, :s_vis].transpose(1, 2), out=dp)  # dL/d(P1 - lam P2)
             dlam.add_(torch.vdot(p[1].reshape(-1), dp.view(-1)))  # sum(P2 * dp); dlam = -that
@@ -215,23 +259,22 @@ class _CombinedDiffAttention(torch.autograd.Function):
             _softmax_bwd_out(dp, p[0], -1, ct, grad_input=ds[0])
             _softmax_bwd_out(dp, p[1], -1, ct, grad_input=ds[1])
             ds = ds.view(2 * B * h_kv, g * n, s_vis)
-            if geo.single_chunk and g == 1:
-                torch.bmm(ds, kc, out=dq12.view(2 * B * h_kv, N, d))
+            if geo.single_chunk:
+                torch.bmm(ds, kc, out=dq12.view(2 * B * h_kv, g * N, d))
             else:
                 dq12[..., i0:i1, :].copy_(torch.bmm(ds, kc).view(2, B, h_kv, g, n, d))
             _accumulate(dkb, ds.transpose(1, 2), qc, seen, s_vis)
             seen = max(seen, s_vis)
         # Map 2's factor -lam, the 1/sqrt(d) of q, and the permutation back to the input layouts, in one pass each.
-        q_dt, k_dt, v_dt, lam_dt = ctx.dtypes
-        factor = torch.stack([torch.ones_like(lam), neg_lam])  # (2,)
+        factor = torch.stack([torch.ones_like(lam), neg_lam]).view(2, 1)  # (2, 1)
         dq = torch.empty(B, N, h_kv, g, 2, d, dtype=q_dt, device=q12.device)
-        torch.mul(dq12.permute(1, 4, 2, 3, 0, 5), factor.view(2, 1) * d ** -0.5, out=dq)
+        torch.mul(dq12.permute(1, 4, 2, 3, 0, 5), factor * d ** -0.5, out=dq)
         dk = torch.empty(B, S, h_kv, 2, d, dtype=k_dt, device=q12.device)
-        torch.mul(dk12.permute(1, 3, 2, 0, 4), factor.view(2, 1), out=dk)
+        torch.mul(dk12.permute(1, 3, 2, 0, 4), factor, out=dk)
         dv_out = _dense(dv.permute(0, 2, 1, 3), v_dt)
         dlam = dlam.neg_().to(lam_dt)
         return (dq.view(B, N, 2 * h, d), dk.view(B, S, 2 * h_kv, d), dv_out, dlam, dw,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, s_vis: int) -> None:
@@ -250,21 +293,6 @@ def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, 
     if seen:
         out[:, :seen].add_(prod[:, :seen])
     out[:, seen:s_vis].copy_(prod[:, seen:])
-
-
-def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor | None):
-    """Backward of ``y = a * rstd * w`` (per-row RMSNorm over the last dim): returns (da, dw)."""
-    dw = None
-    t = dy * a  # (B, N, h, 2d)
-    if w is not None:
-        dw = (rstd.reshape(1, -1) @ t.reshape(-1, t.shape[-1])).reshape(-1).to(w.dtype)  # sum(dy * a * rstd)
-        wc = w.to(dy.dtype)
-        dot = t @ wc  # (B, N, h): rowsum(dy * w * a)
-        dy = dy * wc
-    else:
-        dot = t.sum(-1)
-    coef = rstd.pow(3).mul_(dot.unsqueeze(-1)).div_(-a.shape[-1])  # -rstd^3 * mean(dy w a)
-    return dy.mul(rstd).addcmul_(a, coef), dw
 
 
 def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -294,13 +322,14 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         (B, N, h, 2d) in q's dtype; rows that see no key are 0.
     """
     norm = lambda_init is not None
-    w = None
+    w, w_scale = None, 1.0
     if norm:
-        scale = 1.0 - lambda_init
-        # (1 - lambda_init) folded into the weight by autograd, so a tensor lambda_init gets its gradient too
-        w = norm_weight * scale if norm_weight is not None else None
-        if w is None and (isinstance(scale, torch.Tensor) or scale != 1.0):
-            w = torch.full((2 * q.shape[-1],), 1.0, dtype=compute_dtype(q.dtype), device=q.device) * scale
+        if isinstance(lambda_init, torch.Tensor):
+            # a tensor lambda_init: (1 - lambda_init) folded into the weight by autograd, so it gets its gradient
+            ones = torch.ones(2 * q.shape[-1], dtype=compute_dtype(q.dtype), device=q.device)
+            w = (norm_weight if norm_weight is not None else ones) * (1.0 - lambda_init)
+        else:  # a number: the node applies it (no autograd op per call)
+            w, w_scale = norm_weight, 1.0 - float(lambda_init)
     ct = compute_dtype(q.dtype)
     mask, is_causal = spec.mask, spec.is_causal
     if (causal and attn_mask is not None and attn_mask.dtype == torch.bool and q.shape[1] == k.shape[1]):
@@ -308,7 +337,7 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     elif mask is not None and mask.dtype == torch.bool:
         mask = _additive(mask, ct)
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, w))
-    return _apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
+    return _apply(q, k, v, lam, w, w_scale, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
 
 
 @torch.compiler.disable

@@ -77,15 +77,15 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
     B, N, H2, d = q.shape
     S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
     spec = prepare_mask(attn_mask, causal, B, h, N, S, q.device, q.dtype)
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, 2h, N, d) (B, 2h_kv, S, d) (B, h_kv, S, 2d)
-    q1, q2 = qt[:, 0::2], qt[:, 1::2]  # (B, h, N, d)
-    k1, k2 = kt[:, 0::2], kt[:, 1::2]  # (B, h_kv, S, d)
-    scale, gqa = d ** -0.5, h != h_kv
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))
     chosen = _layout(q, layout, spec, B, N, S, h, d, grad)
     if chosen == "combined":
         return combined_diff_attention(q, k, v, lam, spec, attn_mask=attn_mask, causal=causal, norm_weight=norm_weight,
                                        lambda_init=lambda_init, eps=eps)  # (B, N, h, 2d)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, 2h, N, d) (B, 2h_kv, S, d) (B, h_kv, S, 2d)
+    q1, q2 = qt[:, 0::2], qt[:, 1::2]  # (B, h, N, d)
+    k1, k2 = kt[:, 0::2], kt[:, 1::2]  # (B, h_kv, S, d)
+    scale, gqa = d ** -0.5, h != h_kv
     if chosen == "split":
         va, vb = vt[..., :d], vt[..., d:]  # (B, h_kv, S, d)
         Q = torch.cat([q1, q1, q2, q2], dim=1)  # (B, 4h, N, d)

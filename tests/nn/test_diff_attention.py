@@ -7,6 +7,7 @@ from timm.layers.diff_attention import DiffAttention as TimmDiffAttention
 
 from diffmm.nn import (Attention, DiffAttention, KVCache, RMSNorm, RotaryEmbedding, create_attention,
                        lambda_init_depth)
+from diffmm.nn.lambdas import lambda_full
 
 
 def timm_twin(m: DiffAttention) -> TimmDiffAttention:
@@ -49,6 +50,26 @@ def test_matches_timm_diff_attention(lambda_init, causal):
 
 def test_lambda_init_schedule():
     assert [round(lambda_init_depth(i), 3) for i in range(3)] == [0.2, 0.356, 0.471]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lambda_full_matches_eager_formula(dtype):
+    """The fused lambda node: value and gradients of ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init`` (SPEC 1)."""
+    torch.manual_seed(0)
+    vecs = [(torch.randn(16, dtype=torch.float64) * 0.3).to(dtype).requires_grad_() for _ in range(4)]
+    ours = lambda_full(*vecs, 0.35)
+    ct = torch.promote_types(dtype, torch.float32)
+    assert ours.dtype == ct and ours.dim() == 0
+    c = [t.to(ct) for t in vecs]
+    want = torch.exp((c[0] * c[1]).sum()) - torch.exp((c[2] * c[3]).sum()) + 0.35
+    torch.testing.assert_close(ours, want)
+    g_ours = torch.autograd.grad(ours * 1.7, vecs)
+    g_want = torch.autograd.grad(want * 1.7, vecs)
+    for a, b in zip(g_ours, g_want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda *v: lambda_full(*v, 0.8), vecs)
 
 
 @pytest.mark.parametrize("kind", ["diff", "standard"])
