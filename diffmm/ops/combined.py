@@ -29,6 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from diffmm.ops._validate import MaskSpec
+from diffmm.ops.combined_small import small_backward, small_forward
 from diffmm.ops.epilogue import compute_dtype
 
 #: Target number of score elements (both maps, all heads of a batch) per chunk: 2^22 fp32 = 16 MiB (measured
@@ -65,10 +66,9 @@ def _causal_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 class _Geometry:
     """Shapes shared by forward and backward; q12 (2, B, h_kv, g, N, d), k12 (2, B, h_kv, S, d)."""
 
-    def __init__(self, q12: torch.Tensor, k12: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                 grad_wanted: bool):
-        _, self.B, self.h_kv, self.g, self.N, self.d = q12.shape
-        self.S = k12.shape[3]
+    def __init__(self, B: int, h_kv: int, g: int, N: int, S: int, d: int, mask: torch.Tensor | None,
+                 is_causal: bool, grad_wanted: bool):
+        self.B, self.h_kv, self.g, self.N, self.S, self.d = B, h_kv, g, N, S, d
         self.h = self.h_kv * self.g
         self.mask, self.is_causal = mask, is_causal
         # Small calls keep their maps for the backward (no recompute, one chunk); large ones stay O(chunk x S).
@@ -119,14 +119,13 @@ def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
 
 
-def _norm_forward(a: torch.Tensor, w: torch.Tensor | None, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """Per-head RMSNorm of ``a`` (B, h, N, 2d), written transposed into ``out`` (B, N, h, 2d) as ``a * rstd * w``.
-
-    Returns rstd (B, h, N, 1). Two passes over ``a`` (the norm reads it, the product writes ``out``) plus the
-    weight's pass over ``out``; the transpose rides on the product.
+def _norm_forward(a: torch.Tensor, w: torch.Tensor | None, eps: float, out: torch.Tensor, perm) -> torch.Tensor:
+    """Per-head RMSNorm of ``a`` over its last dim, written as ``a * rstd * w`` into ``out`` = ``a.permute(perm)``'s
+    layout (B, N, h, 2d). Returns rstd (a's shape, last dim 1). The norm reads ``a``, the product writes ``out``
+    (the permutation rides on it), the weight is one pass over ``out``.
     """
     rstd = torch.linalg.vector_norm(a, 2, -1, keepdim=True).square_().div_(a.shape[-1]).add_(eps).rsqrt_()
-    torch.mul(a.transpose(1, 2), rstd.transpose(1, 2), out=out)
+    torch.mul(a.permute(perm), rstd.permute(perm), out=out)
     if w is not None:
         out.mul_(w)
     return rstd
@@ -152,73 +151,137 @@ def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: tor
     return da.addcmul_(a, coef), dw
 
 
+def _chunked_forward(q, k, v, lam, geo: _Geometry, ct: torch.dtype):
+    """The chunked path: q, k, v copied into batched layouts. Returns a (B, h, N, 2d), the copies, maps, combined."""
+    B, N, h_kv, g, S, d = geo.B, geo.N, geo.h_kv, geo.g, geo.S, geo.d
+    # Component m of head i = (kv group, j) goes to q12[m, b, group, j]: one permuting copy, scaled by 1/sqrt(d).
+    q12 = q.new_empty(2, B, h_kv, g, N, d, dtype=ct)
+    q_perm = q.unflatten(2, (h_kv, g, 2)).permute(4, 0, 2, 3, 1, 5)
+    if q.dtype == ct:
+        torch.mul(q_perm, d ** -0.5, out=q12)
+    else:  # 16-bit input: widen first, then scale in fp32
+        q12.copy_(q_perm).mul_(d ** -0.5)
+    k12 = _dense(k.unflatten(2, (h_kv, 2)).permute(3, 0, 2, 1, 4), ct)  # (2, B, h_kv, S, d)
+    vt = _dense(v.permute(0, 2, 1, 3), ct)  # (B, h_kv, S, 2d)
+    neg_lam = -lam
+    buf = geo.buffer(q12)
+    vb = vt.view(B * h_kv, S, 2 * d)
+    maps = combined = None
+    # a: (B*h_kv, g*N, 2d) = (B, h, N, 2d), the layout of the batched products (one chunk: the product itself)
+    a = None if geo.single_chunk else q12.new_empty(B, h_kv, g, N, 2 * d)
+    for i0, i1, s_vis in geo.chunks():
+        p, _, _ = geo.scores(buf, q12, k12, i0, i1, s_vis)
+        if geo.keep_maps:  # the maps and their combination both stay for the backward
+            maps = p
+            pc = combined = torch.addcmul(p[0], p[1], neg_lam)
+        else:
+            pc = p[0].addcmul_(p[1], neg_lam)  # P1 - lam P2, in place: (B*h_kv, g*n, s_vis)
+        o = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*n, 2d)
+        if a is None:
+            a = o
+        else:
+            a[:, :, :, i0:i1].copy_(o.view(B, h_kv, g, i1 - i0, 2 * d))
+    return a.view(B, geo.h, N, 2 * d), (q12, k12, vt), maps, combined
+
+
+def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dtypes):
+    """Gradients of q, k, v (input layouts and dtypes) and lam (compute dtype) from da (B, h, N, 2d)."""
+    B, h_kv, g, N, d, S, h = geo.B, geo.h_kv, geo.g, geo.N, geo.d, geo.S, geo.h
+    ct = q12.dtype
+    q_dt, k_dt, v_dt = dtypes
+    neg_lam = -lam
+    dq12 = torch.empty_like(q12)
+    dk12 = torch.empty_like(k12)  # every key row is written once with beta=0 before it accumulates
+    dv = torch.empty_like(vt)  # (B, h_kv, S, 2d)
+    dlam = torch.zeros((), dtype=ct, device=q12.device)
+    buf = geo.buffer(q12) if maps is None else None
+    dp_buf = q12.new_empty(B * h * geo.rows * S)
+    vb, dvb, dkb = vt.view(B * h_kv, S, 2 * d), dv.view(B * h_kv, S, 2 * d), dk12.view(2 * B * h_kv, S, d)
+    da5 = da.view(B, h_kv, g, N, 2 * d)
+    seen = 0  # keys [0, seen) already hold a partial dK / dV
+    for i0, i1, s_vis in geo.chunks():
+        n = i1 - i0
+        if maps is not None:  # the forward kept them; ds goes to a fresh buffer (maps stay intact)
+            p, qc, kc = maps, *geo.operands(q12, k12, i0, i1, s_vis)
+            ds = torch.empty_like(p)
+        else:
+            p, qc, kc = geo.scores(buf, q12, k12, i0, i1, s_vis)  # p (2, B*h_kv, g*n, s_vis)
+            ds = p  # the softmax backward runs in place over the recomputed maps
+        do = da5[:, :, :, i0:i1].reshape(B * h_kv, g * n, 2 * d)  # a view for one chunk
+        dp = dp_buf[:B * h * n * s_vis].view(B * h_kv, g * n, s_vis)
+        torch.bmm(do, vb[:, :s_vis].transpose(1, 2), out=dp)  # dL/d(P1 - lam P2)
+        dlam.add_(torch.vdot(p[1].reshape(-1), dp.view(-1)))  # sum(P2 * dp); dlam = -that
+        pc = combined if combined is not None else torch.addcmul(p[0], p[1], neg_lam)  # P1 - lam P2
+        _accumulate(dvb, pc.transpose(1, 2), do, seen, s_vis)
+        # Softmax backward of each map with the same upstream dp (map 2's factor -lam is applied to the
+        # small products at the end): ds[m] = P_m * (dp - rowsum(P_m * dp)).
+        _softmax_bwd_out(dp, p[0], -1, ct, grad_input=ds[0])
+        _softmax_bwd_out(dp, p[1], -1, ct, grad_input=ds[1])
+        ds = ds.view(2 * B * h_kv, g * n, s_vis)
+        if geo.single_chunk:
+            torch.bmm(ds, kc, out=dq12.view(2 * B * h_kv, g * N, d))
+        else:
+            dq12[..., i0:i1, :].copy_(torch.bmm(ds, kc).view(2, B, h_kv, g, n, d))
+        _accumulate(dkb, ds.transpose(1, 2), qc, seen, s_vis)
+        seen = max(seen, s_vis)
+    # Map 2's factor -lam, the 1/sqrt(d) of q, and the permutation back to the input layouts, in one pass each.
+    factor = torch.stack([torch.ones_like(lam), neg_lam]).view(2, 1)  # (2, 1)
+    dq = torch.empty(B, N, h_kv, g, 2, d, dtype=q_dt, device=q12.device)
+    torch.mul(dq12.permute(1, 4, 2, 3, 0, 5), factor * d ** -0.5, out=dq)
+    dk = torch.empty(B, S, h_kv, 2, d, dtype=k_dt, device=q12.device)
+    torch.mul(dk12.permute(1, 3, 2, 0, 4), factor, out=dk)
+    dv_out = _dense(dv.permute(0, 2, 1, 3), v_dt)
+    return dq.view(B, N, 2 * h, d), dk.view(B, S, 2 * h_kv, d), dv_out, dlam.neg_()
+
+
 class _CombinedDiffAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lam, w, w_scale, mask, is_causal, norm, eps, empty_rows, grad_wanted):
         # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,) or None: the norm weight, used
-        # as w * w_scale (the (1 - lambda_init) factor, a float; a tensor lambda_init arrives folded into w)
+        # as w * w_scale (the (1 - lambda_init) factor, a float; a tensor lambda_init arrives folded into w);
+        # empty_rows: bool (B|1, 1, N, 1) or None
         B, N, H2, d = q.shape
         S, h_kv = k.shape[1], k.shape[2] // 2
         h = H2 // 2
-        g = h // h_kv
         ct = compute_dtype(q.dtype)
-        # Component m of head i = (kv group, j) goes to q12[m, b, group, j]: one permuting copy, scaled by 1/sqrt(d).
-        q12 = q.new_empty(2, B, h_kv, g, N, d, dtype=ct)
-        q_perm = q.unflatten(2, (h_kv, g, 2)).permute(4, 0, 2, 3, 1, 5)
-        if q.dtype == ct:
-            torch.mul(q_perm, d ** -0.5, out=q12)
-        else:  # 16-bit input: widen first, then scale in fp32
-            q12.copy_(q_perm).mul_(d ** -0.5)
-        k12 = _dense(k.unflatten(2, (h_kv, 2)).permute(3, 0, 2, 1, 4), ct)  # (2, B, h_kv, S, d)
-        vt = _dense(v.permute(0, 2, 1, 3), ct)  # (B, h_kv, S, 2d)
+        geo = _Geometry(B, h_kv, h // h_kv, N, S, d, mask, is_causal, grad_wanted)
         lam_dtype, lam = lam.dtype, lam.to(ct)
-        geo = _Geometry(q12, k12, mask, is_causal, grad_wanted)
-        neg_lam = -lam
-        buf = geo.buffer(q12)
-        vb = vt.view(B * h_kv, S, 2 * d)
-        maps = combined = None
-        # a: (B*h_kv, g*N, 2d) = (B, h, N, 2d), the layout of the batched products (one chunk: the product itself)
-        a = None if geo.single_chunk else q12.new_empty(B, h_kv, g, N, 2 * d)
-        for i0, i1, s_vis in geo.chunks():
-            p, _, _ = geo.scores(buf, q12, k12, i0, i1, s_vis)
-            if geo.keep_maps:  # the maps and their combination both stay for the backward
-                maps = p
-                pc = combined = torch.addcmul(p[0], p[1], neg_lam)
-            else:
-                pc = p[0].addcmul_(p[1], neg_lam)  # P1 - lam P2, in place: (B*h_kv, g*n, s_vis)
-            o = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*n, 2d)
-            if a is None:
-                a = o
-            else:
-                a[:, :, :, i0:i1].copy_(o.view(B, h_kv, g, i1 - i0, 2 * d))
-        a = a.view(B, h, N, 2 * d)
-        if empty_rows is not None:  # (B|1, 1, N, 1)
-            a.masked_fill_(empty_rows, 0.0)
-        y = torch.empty(B, N, h, 2 * d, dtype=q.dtype, device=q.device)  # the layer's layout, in q's dtype
+        # One chunk of fp32/fp64 whose maps stay for the backward (or no backward): the products read q, k, v in
+        # place (diffmm/ops/combined_small.py)
+        small = geo.single_chunk and q.dtype == ct and (geo.keep_maps or not grad_wanted)
+        if small:
+            causal_bias = _causal_bias(N, ct, q.device) if is_causal else None
+            a, maps, combined = small_forward(q, k, v, lam, mask, causal_bias, empty_rows)  # a (h, B, N, 2d)
+            inputs, perm = (q, k, v), (1, 2, 0, 3)
+        else:
+            a, inputs, maps, combined = _chunked_forward(q, k, v, lam, geo, ct)  # a (B, h, N, 2d)
+            if empty_rows is not None:
+                a.masked_fill_(empty_rows, 0.0)
+            perm = (0, 2, 1, 3)
+        y = torch.empty(B, N, h, 2 * d, dtype=q.dtype, device=q.device)  # the layer's layout (a.permute(perm))
         rstd = w_eff = None
         if norm:
             if w is not None:
                 w_eff = w.to(ct) if w_scale == 1.0 else w.to(ct) * w_scale
             elif w_scale != 1.0:
                 w_eff = torch.full((2 * d,), w_scale, dtype=ct, device=q.device)
-            rstd = _norm_forward(a, w_eff, eps, y)
+            rstd = _norm_forward(a, w_eff, eps, y, perm)
         else:
-            y.copy_(a.transpose(1, 2))
+            y.copy_(a.permute(perm))
             a = None
-        ctx.save_for_backward(q12, k12, vt, lam, w_eff, a, rstd, maps, combined)
-        ctx.geo, ctx.norm, ctx.empty_rows, ctx.w_scale = geo, norm, empty_rows, w_scale
+        ctx.save_for_backward(*inputs, lam, w_eff, a, rstd, maps, combined)
+        ctx.geo, ctx.norm, ctx.empty_rows, ctx.w_scale, ctx.small, ctx.perm = geo, norm, empty_rows, w_scale, small, perm
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype, None if w is None else w.dtype)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        q12, k12, vt, lam, w, a, rstd, maps, combined = ctx.saved_tensors
-        geo = ctx.geo
-        B, h_kv, g, N, d, S, h = geo.B, geo.h_kv, geo.g, geo.N, geo.d, geo.S, geo.h
-        ct = q12.dtype
+        x1, x2, x3, lam, w, a, rstd, maps, combined = ctx.saved_tensors
+        ct = lam.dtype
         q_dt, k_dt, v_dt, lam_dt, w_dt = ctx.dtypes
-        dyt = dy.transpose(1, 2)  # (B, h, N, 2d): a view in the layout of a
+        perm = ctx.perm
+        dyt = dy.permute(*(perm.index(i) for i in range(4)))  # a view in the layout of a
         if dyt.dtype != ct:
             dyt = dyt.to(ct)
         dw = None
@@ -228,53 +291,14 @@ class _CombinedDiffAttention(torch.autograd.Function):
                 dw = (dw if ctx.w_scale == 1.0 else dw.mul_(ctx.w_scale)).to(w_dt)
         else:
             da = dyt.contiguous()
-        if ctx.empty_rows is not None:
-            da.masked_fill_(ctx.empty_rows, 0.0)
-        neg_lam = -lam
-        dq12 = torch.empty_like(q12)
-        dk12 = torch.empty_like(k12)  # every key row is written once with beta=0 before it accumulates
-        dv = torch.empty_like(vt)  # (B, h_kv, S, 2d)
-        dlam = torch.zeros((), dtype=ct, device=q12.device)
-        buf = geo.buffer(q12) if maps is None else None
-        dp_buf = q12.new_empty(B * h * geo.rows * S)
-        vb, dvb, dkb = vt.view(B * h_kv, S, 2 * d), dv.view(B * h_kv, S, 2 * d), dk12.view(2 * B * h_kv, S, d)
-        da5 = da.view(B, h_kv, g, N, 2 * d)
-        seen = 0  # keys [0, seen) already hold a partial dK / dV
-        for i0, i1, s_vis in geo.chunks():
-            n = i1 - i0
-            if maps is not None:  # the forward kept them; ds goes to a fresh buffer (maps stay intact)
-                p, qc, kc = maps, *geo.operands(q12, k12, i0, i1, s_vis)
-                ds = torch.empty_like(p)
-            else:
-                p, qc, kc = geo.scores(buf, q12, k12, i0, i1, s_vis)  # p (2, B*h_kv, g*n, s_vis)
-                ds = p  # the softmax backward runs in place over the recomputed maps
-            do = da5[:, :, :, i0:i1].reshape(B * h_kv, g * n, 2 * d)  # a view for one chunk
-            dp = dp_buf[:B * h * n * s_vis].view(B * h_kv, g * n, s_vis)
-            torch.bmm(do, vb[:, :s_vis].transpose(1, 2), out=dp)  # dL/d(P1 - lam P2)
-            dlam.add_(torch.vdot(p[1].reshape(-1), dp.view(-1)))  # sum(P2 * dp); dlam = -that
-            pc = combined if combined is not None else torch.addcmul(p[0], p[1], neg_lam)  # P1 - lam P2
-            _accumulate(dvb, pc.transpose(1, 2), do, seen, s_vis)
-            # Softmax backward of each map with the same upstream dp (map 2's factor -lam is applied to the
-            # small products at the end): ds[m] = P_m * (dp - rowsum(P_m * dp)).
-            _softmax_bwd_out(dp, p[0], -1, ct, grad_input=ds[0])
-            _softmax_bwd_out(dp, p[1], -1, ct, grad_input=ds[1])
-            ds = ds.view(2 * B * h_kv, g * n, s_vis)
-            if geo.single_chunk:
-                torch.bmm(ds, kc, out=dq12.view(2 * B * h_kv, g * N, d))
-            else:
-                dq12[..., i0:i1, :].copy_(torch.bmm(ds, kc).view(2, B, h_kv, g, n, d))
-            _accumulate(dkb, ds.transpose(1, 2), qc, seen, s_vis)
-            seen = max(seen, s_vis)
-        # Map 2's factor -lam, the 1/sqrt(d) of q, and the permutation back to the input layouts, in one pass each.
-        factor = torch.stack([torch.ones_like(lam), neg_lam]).view(2, 1)  # (2, 1)
-        dq = torch.empty(B, N, h_kv, g, 2, d, dtype=q_dt, device=q12.device)
-        torch.mul(dq12.permute(1, 4, 2, 3, 0, 5), factor * d ** -0.5, out=dq)
-        dk = torch.empty(B, S, h_kv, 2, d, dtype=k_dt, device=q12.device)
-        torch.mul(dk12.permute(1, 3, 2, 0, 4), factor, out=dk)
-        dv_out = _dense(dv.permute(0, 2, 1, 3), v_dt)
-        dlam = dlam.neg_().to(lam_dt)
-        return (dq.view(B, N, 2 * h, d), dk.view(B, S, 2 * h_kv, d), dv_out, dlam, dw,
-                None, None, None, None, None, None, None)
+        empty_rows = ctx.empty_rows
+        if empty_rows is not None:
+            da.masked_fill_(empty_rows.transpose(0, 1) if ctx.small else empty_rows, 0.0)
+        if ctx.small:
+            dq, dk, dv, dlam = small_backward(da, x1, x2, x3, lam, maps, combined)
+        else:
+            dq, dk, dv, dlam = _chunked_backward(da, x1, x2, x3, lam, maps, combined, ctx.geo, (q_dt, k_dt, v_dt))
+        return dq, dk, dv, dlam.to(lam_dt), dw, None, None, None, None, None, None, None
 
 
 def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, s_vis: int) -> None:

@@ -82,6 +82,33 @@ def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, c
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
 
 
+@pytest.mark.parametrize("path", ["one-chunk", "chunked"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lambda_init", [0.8, "tensor"])
+def test_combined_paths_with_norm_weight_match_reference(monkeypatch, path, causal, lambda_init):
+    """Both paths of ``combined`` (one chunk reading q/k/v in place; chunks over copies) with GQA, a per-head
+    additive mask with an empty row, and the fused head norm: output and gradients of q, k, v, lam, the norm
+    weight (and a tensor lambda_init) against the reference."""
+    import diffmm.ops.combined as combined
+    if path == "chunked":
+        monkeypatch.setattr(combined, "CHUNK_ELEMENTS", 2 * 2 * 4 * 11 * 3)  # 3 rows per chunk
+        monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 0)
+    q, k, v, lam, _ = make_inputs(N=11, h=4, h_kv=2, d=8, seed=3)
+    g = torch.Generator().manual_seed(7)
+    mask = torch.randn(2, 4, 11, 11, generator=g, dtype=F64)
+    mask[1, 2, 4] = float("-inf")  # one empty row in one head
+    w = (torch.rand(16, generator=g, dtype=F64) + 0.5).requires_grad_()
+    li = torch.tensor(0.3, dtype=F64, requires_grad=True) if lambda_init == "tensor" else lambda_init
+    leaves = (q, k, v, lam, w) + ((li,) if lambda_init == "tensor" else ())
+    outs = []
+    for fn in (ops.diff_attention_reference, lambda *a, **kw: diff_attention_sdpa(*a, layout="combined", **kw)):
+        out = fn(q, k, v, lam, causal=causal, attn_mask=mask, norm_weight=w, lambda_init=li)
+        gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+        outs.append((out, *torch.autograd.grad((out * gy).sum(), leaves)))
+    for name, a, b in zip(["out", "q", "k", "v", "lam", "w", "lambda_init"], outs[1], outs[0]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
 def test_combined_layout_memory_does_not_store_maps(monkeypatch):
     """Above ``SAVE_MAPS_ELEMENTS`` the autograd graph of the ``combined`` layout keeps q, k, v, lam and the
     (N, h, 2d) pre-norm output, not the N x S maps; below it the maps are kept (and reused by the backward)."""
