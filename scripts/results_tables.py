@@ -107,33 +107,14 @@ def demo_run(root: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _clip_chance(clip: dict) -> dict[str, str]:
-    from diffmm.demo.report import _first
-
-    chance = {}
-    for key, path in (("zs_group_top1", ("zs_group", "chance_top1")), ("zs_subgroup_top1", ("zs_subgroup", "chance_top1")),
-                      ("zs_fmnist_top1", ("zs_fmnist", "chance_top1")), ("i2t_r1", ("retrieval", "chance_R1")),
-                      ("t2i_r1", ("retrieval", "chance_R1"))):
-        c = _first(clip, path)
-        if c is not None:
-            chance[key] = f"{100 * c:.2f}"
-    c = _first(clip, ("zs_subgroup", "chance_top1"))
-    if c is not None:
-        chance["zs_subgroup_top5"] = f"{500 * c:.2f}"
-    c = _first(clip, ("retrieval", "chance_R1"))
-    if c is not None:
-        chance["i2t_r5"] = chance["t2i_r5"] = f"{500 * c:.2f}"
-    return chance
-
-
 def demo_clip(root: str) -> str:
-    from diffmm.demo.report import _comparison_table
+    from diffmm.demo.report import _comparison_table, clip_chance
     from diffmm.demo.summary import CLIP_METRICS
 
     r = _load_demo(root)
     if not r.get("clip"):
         return "*(no image-text part in this run)*\n"
-    chance = _clip_chance(r["clip"])
+    chance = clip_chance(r["clip"])
     chance["train_loss"] = f"ln {r['config']['clip_batch']} = {math.log(r['config']['clip_batch']):.2f}"
     return _comparison_table(r["clip"], CLIP_METRICS, chance)
 

@@ -203,17 +203,7 @@ def render_markdown(results: dict, out: Optional[str] = None) -> str:
                   f"subgroup with the prompt \"an emoji of {{}}.\", image<->text retrieval) and zero-shot on "
                   f"Fashion-MNIST test ({cfg['fmnist_images'] or 'all'} images). Mean ± std over seeds; "
                   "(↑)/(↓): higher/lower is better.\n")
-        chance = {}
-        for key, path in (("zs_group_top1", ("zs_group", "chance_top1")), ("zs_subgroup_top1", ("zs_subgroup", "chance_top1")),
-                          ("zs_fmnist_top1", ("zs_fmnist", "chance_top1")), ("i2t_r1", ("retrieval", "chance_R1")),
-                          ("t2i_r1", ("retrieval", "chance_R1"))):
-            c = _first(clip, path)
-            if c is not None:
-                chance[key] = f"{100 * c:.2f}"
-        c5 = _first(clip, ("zs_subgroup", "chance_top1"))
-        if c5 is not None:
-            chance["zs_subgroup_top5"] = f"{500 * c5:.2f}"
-        md.append(_comparison_table(clip, CLIP_METRICS, chance))
+        md.append(_comparison_table(clip, CLIP_METRICS, clip_chance(clip)))
         md.append("\n### Verdict (image-text)\n\n" + _verdict(clip, CLIP_METRICS, "image-text"))
         md.append("\n<details><summary>Per-seed values</summary>\n\n" + _per_seed_table(clip, CLIP_METRICS)
                   + "\n</details>\n")
@@ -259,6 +249,24 @@ def render_markdown(results: dict, out: Optional[str] = None) -> str:
                                          s.get("error") or ""] for s in steps]))
     md.append(f"\nAll numbers: `results.json`. Training logs: `runs/<model>-seed<k>/csv/metrics.csv`.\n")
     return "\n".join(md)
+
+
+def clip_chance(clip: dict) -> dict[str, str]:
+    """Chance level (in %) of each image-text metric that has one, as the tables print it."""
+    chance = {}
+    for key, path in (("zs_group_top1", ("zs_group", "chance_top1")), ("zs_subgroup_top1", ("zs_subgroup", "chance_top1")),
+                      ("zs_fmnist_top1", ("zs_fmnist", "chance_top1")), ("i2t_r1", ("retrieval", "chance_R1")),
+                      ("t2i_r1", ("retrieval", "chance_R1"))):
+        c = _first(clip, path)
+        if c is not None:
+            chance[key] = f"{100 * c:.2f}"
+    c = _first(clip, ("zs_subgroup", "chance_top1"))
+    if c is not None:
+        chance["zs_subgroup_top5"] = f"{500 * c:.2f}"
+    c = _first(clip, ("retrieval", "chance_R1"))
+    if c is not None:
+        chance["i2t_r5"] = chance["t2i_r5"] = f"{500 * c:.2f}"
+    return chance
 
 
 def _first(part: dict, path: Sequence[str]) -> Optional[float]:
