@@ -3,7 +3,9 @@
 One contrastive training step per model: both towers, symmetric InfoNCE on normalised features, backward,
 AdamW step (the same optimizer settings for every model), on random images and captions. Models are timed in
 interleaved rounds (the order alternates every round) and the median per model is reported, so machine noise
-hits all of them alike; the 1-minute load average is printed beside the table.
+hits all of them alike; the 1-minute load average is printed beside the table. "paired" is the median over
+rounds of open_clip's time / the model's time in the same round: a round's models share one load state, so
+this ratio is steadier than the ratio of medians when the machine is not perfectly quiet.
 
     PYTHONPATH=. python scripts/bench_models.py                      # tiny (batch 64) and ViT-B-16 (batch 2), 2 threads
     PYTHONPATH=. python scripts/bench_models.py --sizes tiny --rounds 7 --json results/bench_models.json
@@ -110,8 +112,10 @@ def bench_size(size: str, args) -> list[dict]:
     rows = []
     for r in runners:
         med = statistics.median(times[r.name])
+        paired = statistics.median(o / t for o, t in zip(times[OPEN_CLIP], times[r.name]))
         rows.append(dict(size=size, model=r.name, batch=batch, params_m=sum(p.numel() for p in r.model.parameters())
                          / 1e6, sec_per_step=med, samples_per_s=batch / med, speed_vs_open_clip=ref / med,
+                         speed_vs_open_clip_paired=paired,
                          warmup_s=warm[r.name], loadavg_1m=[min(loads), max(loads)], all_s=times[r.name]))
     return rows
 
@@ -162,11 +166,12 @@ def main(argv=None) -> int:
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU ({platform.processor() or platform.machine()})"
           f", fp32, forward+backward+AdamW, {'thread CPU time' if args.cpu_time else 'wall time'}, median of "
           f"interleaved rounds; 1-min load {min(loads):.1f}-{max(loads):.1f}\n")
-    print("| size | model | batch | params (M) | s/step | samples/s | speed vs open_clip | warm-up s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| size | model | batch | params (M) | s/step | samples/s | speed vs open_clip | paired | warm-up s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['size']} | {r['model']} | {r['batch']} | {r['params_m']:.1f} | {r['sec_per_step']:.3f} "
-              f"| {r['samples_per_s']:.1f} | {r['speed_vs_open_clip']:.2f}x | {r['warmup_s']:.1f} |")
+              f"| {r['samples_per_s']:.1f} | {r['speed_vs_open_clip']:.2f}x "
+              f"| {r['speed_vs_open_clip_paired']:.2f}x | {r['warmup_s']:.1f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
