@@ -104,6 +104,15 @@ class DiffmmCLI(LightningCLI):
             if newest is not None:
                 config["ckpt_path"] = newest
 
+    def instantiate_classes(self) -> None:
+        # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not needed
+        from diffmm.train.clip_module import resuming_from
+
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        ckpt = config.get("ckpt_path")
+        with resuming_from(os.fspath(ckpt) if ckpt and os.path.isfile(os.fspath(ckpt)) else None):
+            super().instantiate_classes()
+
     def after_instantiate_classes(self) -> None:
         # jsonargparse overwrites a linked data argument with the model's value, whatever the data config said:
         # a value the user set that differs from the model's is an error instead of a silent change

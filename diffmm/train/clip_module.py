@@ -1,8 +1,11 @@
 """LightningModule for contrastive image-text training of (Diff)CLIP models."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Any, Optional
+import os
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -11,6 +14,25 @@ import torch.nn.functional as F
 from diffmm.train.base import TrainModule
 from diffmm.train.losses import ContrastiveLoss
 from diffmm.train.zeroshot_hook import ZeroShotHook
+
+log = logging.getLogger(__name__)
+
+# The checkpoint a run is about to resume from, while diffmm's CLI builds its classes (``resuming_from``): that
+# checkpoint holds every weight, so a ``pretrained`` file that is gone by then is not needed.
+_RESUME_CHECKPOINT: Optional[str] = None
+
+
+@contextlib.contextmanager
+def resuming_from(ckpt_path: Optional[str]) -> Iterator[None]:
+    """Within this context ``CLIPModule`` skips a ``pretrained`` file that no longer exists, with a warning: the
+    run resumes from ``ckpt_path``, whose weights replace the pretrained ones anyway. The hyperparameters keep the
+    path, so the checkpoint still says where the run started from."""
+    global _RESUME_CHECKPOINT
+    previous, _RESUME_CHECKPOINT = _RESUME_CHECKPOINT, ckpt_path
+    try:
+        yield
+    finally:
+        _RESUME_CHECKPOINT = previous
 
 #: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -96,6 +118,10 @@ class CLIPModule(TrainModule):
                          warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
                          grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)
         self.save_hyperparameters(ignore=["model"])
+        if pretrained and _RESUME_CHECKPOINT and not os.path.exists(os.path.expanduser(pretrained)):
+            log.warning("model.pretrained %s is not there; it is not read: the run resumes from %s, which holds "
+                        "every weight", pretrained, _RESUME_CHECKPOINT)
+            pretrained = None
         if model is None:
             import diffmm
 

@@ -36,7 +36,8 @@ def _config(tmp_path, data, name, pretrained, swap=None, model_name="OpenCLIP-Ti
     return write_yaml(tmp_path / f"{name}.yaml", cfg)
 
 
-def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywhere(tmp_path, image_text_data, capsys):
+def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywhere(tmp_path, image_text_data, capsys,
+                                                                                     caplog):
     pre = _open_clip_file(tmp_path / "clip.pt")
     assert fit_main(["fit", "--config", _config(tmp_path, image_text_data, "src", pre)]) == 0
     up_cfg = _config(tmp_path, image_text_data, "up", pre, swap={"init": "upcycle"})
@@ -53,8 +54,14 @@ def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywh
     # resume to a later step (the pretrained file is read again at construction, then the checkpoint wins)
     assert fit_main(["fit", "--config", up_cfg, "--ckpt_path", "last", "--trainer.max_steps", "3"]) == 0
     assert torch.load(ckpt, weights_only=True)["global_step"] == 3
-    # eval zeroshot and classify take the checkpoint directly; the pretrained file is not needed any more
+    # the pretrained file is not needed any more: resuming, eval zeroshot and classify take the checkpoint
     os.remove(pre)
+    before = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert fit_main(["fit", "--config", up_cfg, "--ckpt_path", "last", "--trainer.max_steps", "4"]) == 0
+    after = torch.load(ckpt, weights_only=True)
+    assert after["global_step"] == 4 and after["hyper_parameters"]["pretrained"] == pre  # provenance kept
+    assert any(not torch.equal(before[k], after["state_dict"][k]) for k in before)  # it trained on
+    assert f"{pre} is not there" in caplog.text and "is not read" in caplog.text
     (tmp_path / "colours.txt").write_text("red\ngreen\nblue\n")
     rc = diffmm_main(["eval", "zeroshot", "--model", ckpt, "--data", image_text_data[1], "--label-field",
                       "json:label", "--classnames", str(tmp_path / "colours.txt"),
