@@ -173,11 +173,14 @@ def render_markdown(results: dict, out: Optional[str] = None) -> str:
     skipped = [s for s in steps if s["status"] == "skipped"]
     md = ["# diffmm demo report\n"]
     wall = results.get("wall_seconds") or 0.0
+    loads = [x[0] for x in (env.get("load_start"), env.get("load_end")) if x]
+    busy = bool(loads) and max(loads) > (env.get("torch_threads") or env["cores"]) + 0.5  # more than its own threads
     md.append(f"Command: `{results['command']}`  \n"
               f"Finished {results.get('finished', '?')}; wall time **{wall / 60:.1f} min** "
               f"(CPU time {(results.get('cpu_seconds') or 0) / 60:.1f} min), {env['cores']} cores, "
               f"{env['torch_threads']} torch thread(s), load average {env['load_start']} at the start and "
-              f"{env.get('load_end', '?')} at the end (other jobs share this machine: timings are pessimistic).  \n"
+              f"{env.get('load_end', '?')} at the end"
+              f"{' (other jobs were running: timings are pessimistic)' if busy else ''}.  \n"
               f"Seeds: {', '.join(map(str, cfg['seeds']))}. Steps: {len(steps) - len(failed) - len(skipped)} ok, "
               f"**{len(failed)} failed**, {len(skipped)} skipped.\n")
     if failed:
