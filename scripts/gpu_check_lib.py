@@ -60,6 +60,15 @@ class Ctx:
         if self.part_deadline and now >= self.part_deadline:
             raise PartBudgetExceeded(f"part budget used up at {now - self.t0:.0f} s; {what} not run")
 
+    def out_of_time(self, part: dict, what: str, left: int, noun: str) -> bool:
+        """True when no time is left for ``what``; then the ``left`` items from it on go to ``part["skipped"]``."""
+        try:
+            self.check_time(what)
+        except PartBudgetExceeded as e:
+            part["skipped"].append({"what": f"{left} {noun} from {what} on", "reason": str(e)})
+            return True
+        return False
+
     def progress(self, part: str, msg: str) -> None:
         print(f"[{self.elapsed():6.1f}s {part}] {msg}", flush=True)
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 import bench_diff_v2 as BV
-from gpu_check_lib import DTYPE_NAMES, Ctx, PartBudgetExceeded, err_line, fmt, free_memory, sync, time_ms
+from gpu_check_lib import DTYPE_NAMES, Ctx, err_line, fmt, free_memory, sync, time_ms
 
 TYPES = BV.TYPES  # standard, diff, diff_v2
 MODES = ("fwd", "fwdbwd", "decode")
@@ -59,10 +59,7 @@ def run_layers(ctx: Ctx, part: dict) -> None:
     todo = [(cfg, N, mode) for cfg in (LAYER_DRY if ctx.dry else LAYER_GPU) for N in cfg["seqs"] for mode in MODES]
     for i, (cfg, N, mode) in enumerate(todo):
         label = f"{cfg['name']} N={N} {mode}"
-        try:
-            ctx.check_time(label)
-        except PartBudgetExceeded as e:
-            part["skipped"].append({"what": f"{len(todo) - i} rows from {label} on", "reason": str(e)})
+        if ctx.out_of_time(part, label, len(todo) - i, "rows"):
             break
         a = SimpleNamespace(dim=cfg["dim"], heads=cfg["heads"], kv_heads=cfg["kv_heads"], batch=cfg["batch"],
                             backend=None)
@@ -207,10 +204,7 @@ def run_train(ctx: Ctx, part: dict) -> None:
         model_name = name if kind == "clip" else f"{'diff' if attention == 'diff' else 'transformer'}-{name} " \
                                                  f"({lm['shapes'][name]['n_layer']} layers)"
         label = f"{model_name} {backend}"
-        try:
-            ctx.check_time(label)
-        except PartBudgetExceeded as e:
-            part["skipped"].append({"what": f"{len(jobs) - i} jobs from {label} on", "reason": str(e)})
+        if ctx.out_of_time(part, label, len(jobs) - i, "jobs"):
             break
         row = {"kind": kind, "group": name, "model": model_name, "attention": attention, "backend": backend}
         model, t_job = None, time.time()

@@ -13,7 +13,7 @@ import torch
 
 import bench_attention as BA
 from gpu_check_correctness import TOL, autotuning, compare
-from gpu_check_lib import DTYPE_NAMES, Ctx, PartBudgetExceeded, err_line, fmt, free_memory, peak_mib, time_ms
+from gpu_check_lib import DTYPE_NAMES, Ctx, err_line, fmt, free_memory, peak_mib, time_ms
 
 IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "official-4call", "flash-diff", "standard-sdpa", "flash-standard"]
 UNFUSED = ("sdpa-pair", "sdpa-split", "official-4call", "flash-diff")
@@ -197,10 +197,7 @@ def run_part(ctx: Ctx, part: dict) -> None:
         for i, (d, N, causal, impl) in enumerate(todo):
             B, h = max(1, cfg["tokens"] // N), max(1, cfg["width"] // (2 * d))
             label = f"d={d} N={N} causal={causal} {impl}"
-            try:
-                ctx.check_time(label)
-            except PartBudgetExceeded as e:
-                part["skipped"].append({"what": f"{len(todo) - i} cases from {label} on", "reason": str(e)})
+            if ctx.out_of_time(part, label, len(todo) - i, "cases"):
                 break
             try:
                 row = run_one(ctx, impl, B, N, h, d, causal, dtype, check=N <= cfg["check_max_n"])

@@ -195,3 +195,18 @@ def test_empty_rows_are_found():
     rows = C.empty_row_mask(c, km, "cpu")
     # causal, S < N: query i sees keys j <= i - 2, so rows 0, 1 see nothing; sequence 1 is fully padded
     assert rows.tolist() == [[True, True, False, False, False], [True] * 5]
+
+
+def test_out_of_time_records_what_is_left_and_stops_the_loop():
+    import time
+
+    from gpu_check_lib import Ctx
+
+    now = time.time()
+    part = {"skipped": []}
+    ctx = Ctx(device=torch.device("cpu"), dry=True, t0=now, deadline=now + 60, rec=None)
+    assert not ctx.out_of_time(part, "case A", 3, "cases") and part["skipped"] == []
+    ctx.part_deadline = now - 1  # the part's budget is spent: the loop stops, the rest is recorded once
+    assert ctx.out_of_time(part, "case B", 2, "cases")
+    assert part["skipped"] == [{"what": "2 cases from case B on", "reason": part["skipped"][0]["reason"]}]
+    assert "part budget used up" in part["skipped"][0]["reason"] and "case B not run" in part["skipped"][0]["reason"]
