@@ -111,7 +111,7 @@ def inspect_shard(url: str) -> tuple[int, Optional[str]]:
     are streamed. A damaged shard counts the samples the reader delivers before the damage; an
     unreadable one counts 0.
     """
-    from diffmm.data.tar_reader import RecordingTarInfo, split_name
+    from diffmm.data.tar_reader import RecordingTarInfo, sample_members
 
     path = local_path(url)
     try:
@@ -127,20 +127,15 @@ def inspect_shard(url: str) -> tuple[int, Optional[str]]:
         except (tarfile.TarError, EOFError, OSError) as e:
             return 0, "empty" if "empty file" in str(e) else f"not a readable tar ({e})"
         try:
-            for member in tf:
-                if not member.isfile():
-                    continue
-                parts = split_name(member.name)
-                if parts is None:
-                    continue
+            for member, key, _ in sample_members(tf):
                 end = member.offset_data + member.size
                 if size is not None and end > size:  # data cut off: the reader drops this sample
-                    n -= parts[0] == last_key
+                    n -= key == last_key
                     last_key, problem = None, "truncated inside a member"
                     break
-                if parts[0] != last_key:
+                if key != last_key:
                     n += 1
-                    last_key = parts[0]
+                    last_key = key
                 last_end = end
         except (tarfile.TarError, EOFError, OSError) as e:
             n -= last_key is not None  # the reader drops the sample it was reading when the stream broke

@@ -57,6 +57,16 @@ def split_name(name: str) -> tuple[str, str] | None:
     return key, field.lower()
 
 
+def sample_members(tf: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, str]]:
+    """The members of a webdataset tar that are sample fields, as ``(member, key, field)`` in archive order (the
+    one rule the reader and the sample counter of :mod:`diffmm.data.sizes` share)."""
+    for member in tf:
+        if member.isfile():
+            parts = split_name(member.name)
+            if parts is not None:
+                yield member, *parts
+
+
 def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 1, *, start: int = 0,
                      stop: Optional[int] = None, expected: Optional[int] = None, expected_from: str = "sizes.json",
                      limits: ReadLimits = ReadLimits()) -> Iterator[dict]:
@@ -97,13 +107,7 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
 
     try:
         tf = tarfile.open(fileobj=stream, mode="r|*", tarinfo=RecordingTarInfo)
-        for member in tf:
-            if not member.isfile():
-                continue
-            parts = split_name(member.name)
-            if parts is None:
-                continue
-            key, field = parts
+        for member, key, field in sample_members(tf):
             if current is not None and current["__key__"] != key:
                 if wanted(index):
                     if oversized is not None:
