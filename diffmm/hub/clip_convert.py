@@ -1,19 +1,18 @@
 """State-dict conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout.
 
-diffmm's ``DiffCLIP`` state dict *is* the official DiffCLIP layout (SPEC section 3) without the DDP
-``module.`` prefix, so the official format needs only prefix stripping. open_clip and timm keep q/k/v in one
-fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which splits into
+diffmm's ``DiffCLIP`` state dict *is* the layout of the official DiffCLIP checkpoints (github
+hammoudhasan/DiffCLIP) without the DDP ``module.`` prefix, so the official format needs only prefix stripping.
+open_clip and timm keep q/k/v in one fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which splits into
 ``q_proj`` / ``k_proj`` / ``v_proj``.
 """
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-if TYPE_CHECKING:  # the model package imports timm / open_clip; keep this module light
-    from diffmm.models.clip.config import CLIPConfig, VisionCfg
+from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg, from_open_clip_config
 
 Tensor = torch.Tensor
 # open_clip vision block names -> diffmm / timm / official DiffCLIP names
@@ -103,11 +102,6 @@ def diffmm_vit_to_timm(sd: dict[str, Tensor], *, prefix: str = "visual.") -> dic
     return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
 
 
-def strip_module(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Remove DDP's ``module.`` prefix from every key that has it."""
-    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
-
-
 def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tensor]:
     """Split any open_clip-style ``attn.in_proj_weight`` left in a DiffCLIP-layout dict (e.g. a standard text
     tower saved as ``nn.MultiheadAttention``) into q/k/v."""
@@ -120,13 +114,12 @@ def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tenso
 
 
 def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
-                          source: str = "checkpoint") -> "CLIPConfig":
+                          source: str = "checkpoint") -> CLIPConfig:
     """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
 
     Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
     lambda vectors is standard attention with 64-wide heads unless ``head_width`` can be read otherwise.
     """
-    from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg
     def need(key: str) -> Tensor:
         if key not in sd:
             raise KeyError(f"{source}: missing key {key} (not a DiffCLIP-layout checkpoint)")
@@ -163,15 +156,13 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
 
 
 def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,
-                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> "CLIPConfig":
+                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> CLIPConfig:
     """A diffmm config (standard attention, open_clip layout) from the shapes of an open_clip CLIP state dict.
 
     Shapes do not tell the number of heads or the activation: pass ``head_width`` / ``text_head_width`` /
     ``quick_gelu`` (or load with ``model_name=`` / an ``open_clip_config.json``) when they differ from
     open_clip's defaults (64-wide heads, GELU).
     """
-    from diffmm.models.clip.config import from_open_clip_config
-
     def need(key: str) -> Tensor:
         if key not in sd:
             raise KeyError(f"{source}: missing key {key} (not an open_clip ViT CLIP checkpoint)")
@@ -200,12 +191,10 @@ def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_
 
 
 def infer_timm_vit_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, norm_eps: float = 1e-6,
-                          lambda_init="depth", source: str = "timm checkpoint") -> "VisionCfg":
+                          lambda_init="depth", source: str = "timm checkpoint") -> VisionCfg:
     """A diffmm :class:`VisionCfg` from a timm ViT state dict in diffmm keys (after :func:`timm_vit_to_diffmm`
     with ``prefix=''``). timm's LayerNorm eps is 1e-6 unless told otherwise; heads: from the lambda vectors of a
     differential ViT, else ``head_width`` (default 64)."""
-    from diffmm.models.clip.config import VisionCfg
-
     for bad, why in (("reg_token", "register tokens"), ("fc_norm.weight", "fc_norm (avg-pool head)"),
                      ("attn_pool.latent", "attention pooling")):
         if bad in sd:

@@ -1,10 +1,12 @@
 """CLIP / DiffCLIP model configs: open_clip-style JSON (``embed_dim``, ``vision_cfg``, ``text_cfg``) plus
-the attention type and lambda_init of each tower (SPEC section 3).
+the attention type and lambda_init of each tower, and the configs by name (``list_models``, ``get_model_config``,
+``add_model_config``, as open_clip's).
 
 A tower's ``attn_type`` is any name registered in :data:`diffmm.nn.ATTENTION_LAYERS` (``'diff'``,
 ``'standard'``, ``'diff_v2'``, ...) or a list with one name per layer (what a partial
 :func:`diffmm.swap_attention` leaves). ``heads`` always counts the heads of the *standard* Transformer at
-that width (a differential layer has half of them, SPEC section 1).
+that width: a differential layer has half of them, each with two query/key components of the same head dim,
+as the DIFF Transformer (arXiv 2410.05258) and DiffCLIP (arXiv 2503.06626) keep the width and halve the heads.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+#: the JSON files of the built-in configs (one per name: ``DiffCLIP-ViT-B-16.json``, ...)
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
+
 AttnType = Union[str, list]
 LOGIT_SCALE_INIT = math.log(1 / 0.07)
 LOGIT_SCALE_MAX = 100.0
 #: image normalisation of OpenAI's CLIP (open_clip's default; diffmm's when a config names none)
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-#: ImageNet's, used by the official DiffCLIP code (SLIP's data pipeline; SPEC section 3)
+#: ImageNet's, used by the official DiffCLIP code (github hammoudhasan/DiffCLIP, whose data pipeline is SLIP's)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: how captions longer than the context are cut: ``'eot'`` keeps the end-of-text token last (open_clip),
@@ -82,10 +87,6 @@ class VisionCfg:
     @property
     def heads(self) -> int:
         return self.width // self.head_width
-
-    @property
-    def grid_size(self) -> int:
-        return self.image_size // self.patch_size
 
 
 @dataclass
@@ -270,3 +271,43 @@ def _first(x):
             raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
         return x[0]
     return x
+
+
+# ------------------------------------------------------------------------------------------- configs by name
+_EXTRA_CONFIGS: dict[str, Path] = {}
+
+
+class UnknownModelError(ValueError):
+    """A model name that names no config (nor anything else :func:`diffmm.create_model` accepts)."""
+
+
+def _config_files() -> dict[str, Path]:
+    files = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
+    files.update(_EXTRA_CONFIGS)
+    return files
+
+
+def list_models() -> list[str]:
+    """Names of the built-in (and added) model configs."""
+    return sorted(_config_files(), key=lambda n: (n.replace("-star", "").replace("-dagger", ""), n))
+
+
+def add_model_config(path: Union[str, Path]) -> None:
+    """Register a JSON config file (or every ``*.json`` in a folder) under its file stem."""
+    path = Path(path)
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"{path}: no model-config JSON file")
+    for f in files:
+        load_config_file(f)  # validate now, not at first use
+        _EXTRA_CONFIGS[f.stem] = f
+
+
+def get_model_config(name: str) -> CLIPConfig:
+    """The config of a named model (:func:`list_models`) or of a JSON file path."""
+    files = _config_files()
+    if name in files:
+        return load_config_file(files[name])
+    if name.endswith(".json") and Path(name).is_file():
+        return load_config_file(name)
+    raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(list_models())}")
