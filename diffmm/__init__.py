@@ -12,14 +12,14 @@ Top-level API (open_clip's where it overlaps; model names and weights: :mod:`dif
 ``import diffmm`` registers diffmm's ViTs with timm (``timm.create_model("diffmm_diffclip_vit_b_16")``). It does not
 import open_clip (only ``open_clip:`` names, tokenizers and open_clip's own models do), Lightning or webdataset.
 """
-__version__ = "0.1.0"
+import diffmm.models.timm_models  # noqa: F401  (registers the diffmm_* ViTs with timm)
+from diffmm.hub.factory import (create_model, create_model_and_transforms, describe_pretrained, get_tokenizer,
+                                list_pretrained, load_pretrained)
+from diffmm.models.clip.config import list_models
+from diffmm.models.lm import DiffLM, LMConfig
+from diffmm.models.swap import swap_attention
 
-import diffmm.models.timm_models  # noqa: F401,E402  (registers the diffmm_* ViTs with timm)
-from diffmm.hub.factory import (create_model, create_model_and_transforms, describe_pretrained,  # noqa: E402
-                                get_tokenizer, list_pretrained, load_pretrained)
-from diffmm.models.clip.config import list_models  # noqa: E402
-from diffmm.models.lm import DiffLM, LMConfig  # noqa: E402
-from diffmm.models.swap import swap_attention  # noqa: E402
+__version__ = "0.1.0"
 
 __all__ = ["__version__", "create_model", "create_model_and_transforms", "describe_pretrained", "get_tokenizer",
            "list_models", "list_pretrained", "load_pretrained", "swap_attention", "DiffLM", "LMConfig"]

@@ -1,4 +1,5 @@
-"""State-dict conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout.
+"""Conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout: state dicts, and
+configs (open_clip's model configs, or configs read from a state dict's shapes).
 
 diffmm's ``DiffCLIP`` state dict *is* the layout of the official DiffCLIP checkpoints (github
 hammoudhasan/DiffCLIP) without the DDP ``module.`` prefix, so the official format needs only prefix stripping.
@@ -8,11 +9,11 @@ open_clip and timm keep q/k/v in one fused matrix (``in_proj_weight`` / ``qkv.we
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg, from_open_clip_config
+from diffmm.models.clip.config import LOGIT_SCALE_INIT, CLIPConfig, TextCfg, VisionCfg
 
 Tensor = torch.Tensor
 # open_clip vision block names -> diffmm / timm / official DiffCLIP names
@@ -153,6 +154,67 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
     cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=vision, text_cfg=text)
     cfg.validate(source)
     return cfg
+
+
+def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
+                          source: str = "open_clip config") -> CLIPConfig:
+    """The diffmm config (standard attention, open_clip layout) of an open_clip CLIP model config.
+
+    Supports the plain ViT + text Transformer CLIP (``vision_cfg`` / ``text_cfg`` as in open_clip's
+    ``model_configs``); timm / HF / ResNet towers and custom attention blocks are refused with the field name.
+    """
+    oc = dict(oc.get("model_cfg", oc))
+    quick_gelu = bool(oc.pop("quick_gelu", quick_gelu))
+    if oc.get("init_logit_bias") is not None:
+        raise ValueError(f"{source}: init_logit_bias (a SigLIP-style model) is not supported by diffmm's CLIP")
+    v, t = dict(oc.get("vision_cfg", {})), dict(oc.get("text_cfg", {}))
+    for key, cfg, name in (("timm_model_name", v, "vision_cfg"), ("hf_model_name", t, "text_cfg")):
+        if cfg.get(key):
+            raise ValueError(f"{source}: {name}.{key}={cfg[key]!r} is not a plain Transformer tower; "
+                             f"use diffmm.swap_attention on the open_clip model instead")
+    if isinstance(v.get("layers", 12), (list, tuple)):
+        raise ValueError(f"{source}: vision_cfg.layers={v['layers']} is a ResNet; only ViT towers convert")
+    unsupported = ("attentional_pool", "qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
+                   "scale_attn", "scale_fc", "embed_cls", "no_causal_mask", "final_ln_after_pool", "ls_init_value",
+                   "proj_bias", "act_kwargs", "norm_kwargs")
+    for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
+        bad = [k for k in unsupported if cfg.get(k)]
+        if name == "text_cfg" and cfg.get("pool_type", "argmax") != "argmax":
+            bad.append("pool_type")
+        if name == "text_cfg" and cfg.get("proj_type", "linear") != "linear":
+            bad.append("proj_type")
+        if name == "vision_cfg" and cfg.get("pos_embed_type", "learnable") != "learnable":
+            bad.append("pos_embed_type")
+        if bad:
+            raise ValueError(f"{source}: {name} uses {', '.join(bad)}, which diffmm's CLIP does not implement")
+    act = "quick_gelu" if quick_gelu else "gelu"
+    vision = VisionCfg(image_size=int(_first(v.get("image_size", 224))),
+                       patch_size=int(_first(v.get("patch_size", 16))),
+                       width=v.get("width", 768), layers=v.get("layers", 12), head_width=v.get("head_width", 64),
+                       mlp_ratio=v.get("mlp_ratio", 4.0), attn_type="standard", act=act,
+                       pre_norm=not v.get("no_ln_pre", False), patch_bias=False,
+                       pool_type=v.get("pool_type", "tok"),
+                       image_mean=_tuple_or_none(v.get("image_mean")), image_std=_tuple_or_none(v.get("image_std")))
+    text = TextCfg(context_length=t.get("context_length", 77), vocab_size=t.get("vocab_size", 49408),
+                   width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
+                   mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
+    cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=vision, text_cfg=text,
+                     init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT))
+    cfg.validate(source)
+    return cfg
+
+
+def _tuple_or_none(x):
+    return tuple(x) if x is not None else None
+
+
+def _first(x):
+    """open_clip allows (H, W) sizes; diffmm's ViT is square."""
+    if isinstance(x, (list, tuple)):
+        if len(set(x)) != 1:
+            raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
+        return x[0]
+    return x
 
 
 def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,

@@ -18,10 +18,11 @@ import torch
 import torch.nn as nn
 
 from diffmm.hub.checkpoint import check_state_dict, peek_keys, raise_if_damaged, read_state_dict
-from diffmm.hub.clip_convert import (infer_official_config, infer_open_clip_config, infer_timm_vit_config,
-                                     mha_text_to_diffmm, open_clip_to_diffmm, timm_vit_to_diffmm)
+from diffmm.hub.clip_convert import (from_open_clip_config, infer_official_config, infer_open_clip_config,
+                                     infer_timm_vit_config, mha_text_to_diffmm, open_clip_to_diffmm,
+                                     timm_vit_to_diffmm)
 from diffmm.hub.diffmm_export import is_export_folder, read_export
-from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig, from_open_clip_config
+from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.vision import VisionTransformer
 

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from diffmm.hub.checkpoint import check_state_dict, read_state_dict
-from diffmm.models.clip.config import CLIPConfig, UnknownModelError, from_open_clip_config
+from diffmm.hub.clip_convert import from_open_clip_config
+from diffmm.models.clip.config import CLIPConfig, UnknownModelError
 from diffmm.models.clip.tokenizer import CLIPTokenizer
 
 log = logging.getLogger("diffmm.hub")

@@ -90,13 +90,11 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
 
 def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
     """Tower name -> its Transformer blocks (each with an ``.attn``), for every model type swap supports."""
-    towers: dict[str, list[nn.Module]] = {}
     if isinstance(model, DiffCLIP):
         return {"visual": list(model.visual.blocks), "text": list(model.transformer.resblocks)}
-    if isinstance(model, DiffmmViT):
+    if isinstance(model, DiffmmViT) or _is_timm_vit(model):
         return {"visual": list(model.blocks)}
-    if _is_timm_vit(model):
-        return {"visual": list(model.blocks)}
+    towers: dict[str, list[nn.Module]] = {}
     visual = getattr(model, "visual", None)
     if visual is not None:
         towers["visual"] = _image_tower_blocks(visual)

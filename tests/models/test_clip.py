@@ -9,9 +9,9 @@ import torch
 from open_clip.model import CLIP
 
 import diffmm
-from diffmm.hub.clip_convert import open_clip_to_diffmm
+from diffmm.hub.clip_convert import from_open_clip_config, open_clip_to_diffmm
 from diffmm.hub.factory import create_model
-from diffmm.models.clip import CLIPConfig, DiffCLIP, from_open_clip_config, get_model_config, list_models
+from diffmm.models.clip import CLIPConfig, DiffCLIP, get_model_config, list_models
 from diffmm.nn import DiffAttention, DiffV2Attention
 from diffmm.nn.attention import Attention
 
