@@ -119,7 +119,8 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
     """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
 
     Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
-    lambda vectors is standard attention with 64-wide heads unless ``head_width`` can be read otherwise.
+    lambda vectors is standard attention with 64-wide heads. The image tower has timm's keys under ``visual.``
+    (:func:`infer_timm_vit_config`, with LayerNorm eps 1e-5).
     """
     def need(key: str) -> Tensor:
         if key not in sd:
@@ -130,20 +131,9 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
         idx = {int(m.group(1)) for k in sd for m in [re.match(pattern, k)] if m}
         return max(idx) + 1 if idx else 0
 
-    patch_w = need("visual.patch_embed.proj.weight")  # (W, 3, p, p)
-    vw, p = patch_w.shape[0], patch_w.shape[-1]
-    n_tok = need("visual.pos_embed").shape[1]
-    grid = int(round((n_tok - 1) ** 0.5))
-    if grid * grid != n_tok - 1:
-        raise KeyError(f"{source}: visual.pos_embed has {n_tok} tokens; expected 1 + a square number of patches")
-    v_layers = count(r"^visual\.blocks\.(\d+)\.")
-    v_diff = "visual.blocks.0.attn.lambda_q1" in sd
-    v_head = sd["visual.blocks.0.attn.lambda_q1"].shape[0] if v_diff else 64
-    fc1 = need("visual.blocks.0.mlp.fc1.weight")
-    vision = VisionCfg(image_size=grid * p, patch_size=p, width=vw, layers=v_layers, head_width=v_head,
-                       mlp_ratio=fc1.shape[0] / vw, attn_type="diff" if v_diff else "standard", lambda_init=lambda_init,
-                       pre_norm="visual.norm_pre.weight" in sd,
-                       patch_bias="visual.patch_embed.proj.bias" in sd)
+    need("visual.patch_embed.proj.weight")  # a missing image tower names the layout, not a bare key
+    vision = infer_timm_vit_config({k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")},
+                                   norm_eps=1e-5, lambda_init=lambda_init, source=source)
     ctx, tw = need("positional_embedding").shape
     t_diff = "transformer.resblocks.0.attn.lambda_q1" in sd
     t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else 64

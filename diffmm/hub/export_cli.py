@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -26,7 +25,7 @@ import torch
 
 from diffmm.hub.checkpoint import is_lightning_checkpoint
 from diffmm.hub.diffmm_export import save_export
-from diffmm.hub.factory import create_model, has_weights, load_lightning, load_pretrained, random_weights_message
+from diffmm.hub.factory import create_model, has_weights, load_lightning, random_weights_message
 
 log = logging.getLogger("diffmm.hub")
 
@@ -42,9 +41,7 @@ def export(checkpoint: str, out: str, *, kind: Optional[str] = None, prefix: str
     elif (model_name or model_config) and not pretrained:
         raise ValueError(f"{checkpoint}: --model / --model-config choose the architecture of a Lightning checkpoint; "
                          f"this is not one")
-    elif os.path.exists(checkpoint) and not pretrained and not checkpoint.endswith(".json"):
-        model = load_pretrained(checkpoint, trust_pickle=trust_pickle)
-    else:  # a model name (diffmm.create_model's rule), weights from --pretrained or none
+    else:  # a checkpoint, or a model name (diffmm.create_model's rule) with weights from --pretrained or none
         model = create_model(checkpoint, pretrained, trust_pickle=trust_pickle)
         if not has_weights(checkpoint, pretrained):
             log.warning(random_weights_message(checkpoint))
