@@ -173,7 +173,7 @@ def open_clip_twin(name: str) -> torch.nn.Module:
     import open_clip
     from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
-    from diffmm.models.clip.factory import get_model_config
+    from diffmm.models.clip.config import get_model_config
 
     cfg = get_model_config(name)
     v, t = cfg.vision_cfg, cfg.text_cfg
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import diffmm
-    from diffmm.models.clip.factory import get_model_config
+    from diffmm.models.clip.config import get_model_config
     from diffmm.models.lm import DiffLM, LMConfig
     from diffmm.train.clip_module import CLIPModule
     from diffmm.train.lm_module import LMModule

@@ -111,7 +111,7 @@ def layers_markdown(part: dict) -> list[str]:
 
 
 def _clip_job(ctx: Ctx, spec: dict, name: str, backend: str):
-    from diffmm.models.clip.factory import create_model
+    from diffmm.hub.factory import create_model
     from diffmm.train.losses import ContrastiveLoss
 
     torch.manual_seed(0)

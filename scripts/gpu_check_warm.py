@@ -32,7 +32,7 @@ WARM_N = 64  # sequence length of a warm-up launch
 
 def tuned_variants(dry: bool, parts: list[str]) -> list[tuple]:
     """(d, h, h_kv, causal) of every autotuned bf16 call parts 2-4 make (no padding, norm with weight)."""
-    from diffmm.models.clip.factory import get_model_config
+    from diffmm.models.clip.config import get_model_config
     from diffmm.models.lm import LMConfig
     from diffmm.ops.triton_diff import HEAD_DIMS
 

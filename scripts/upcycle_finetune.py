@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import diffmm
-from diffmm.models.clip.transforms import clip_transforms
+from diffmm.models.clip.preprocess import image_transform
 
 
 def read_style(folder: Path) -> list[dict]:
@@ -177,7 +177,8 @@ def main(argv=None) -> int:
         overrides["text_cfg"] = {"context_length": args.context_length}
     base = diffmm.create_model(args.model, **overrides)
     tok = diffmm.get_tokenizer(context_length=base.config.text_cfg.context_length)
-    train_tf, val_tf = clip_transforms(base.config.vision_cfg.image_size)
+    size = base.config.vision_cfg.image_size
+    train_tf, val_tf = image_transform(size, train=True), image_transform(size, train=False)
     ev = lambda m: evaluate(m, eval_data, tok, val_tf, subgroup_names, group_of_subgroup)  # noqa: E731
     results = {"args": vars(args), "random_init": ev(base)}
     print("random init:", results["random_init"])

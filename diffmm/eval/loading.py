@@ -31,8 +31,8 @@ def load_clip(model: str, pretrained: str | None = None, *, device: str | torch.
     (its config: e.g. ImageNet mean/std and the official truncation for official DiffCLIP checkpoints).
     """
     import diffmm
-    from diffmm.models.clip.factory import tokenizer_for
-    from diffmm.models.clip.naming import UnknownModelError, has_weights, random_weights_message
+    from diffmm.models.clip.preprocess import tokenizer_for
+    from diffmm.hub.factory import UnknownModelError, has_weights, random_weights_message
 
     device = resolve_device(device)
     try:

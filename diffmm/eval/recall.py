@@ -291,13 +291,13 @@ def load_recall_lm(spec: str, *, vocab_size: Optional[int] = None, block_size: O
     if not os.path.exists(spec):
         raise EvalError(f"no such checkpoint or folder: {spec}")
     if os.path.isfile(spec):
-        from diffmm.hub.clip_formats import peek_keys
+        from diffmm.hub.checkpoint import peek_keys
 
         if any(k in peek_keys(Path(spec)) for k in ("pytorch-lightning_version", "hyper_parameters")):
-            from diffmm.hub.export_cli import model_from_lightning
+            from diffmm.hub.factory import load_lightning
 
             try:
-                return model_from_lightning(spec, kind="lm", trust_pickle=trust_pickle).to(device).eval()
+                return load_lightning(spec, kind="lm", trust_pickle=trust_pickle).to(device).eval()
             except (KeyError, ValueError, TypeError) as e:
                 raise EvalError(f"cannot rebuild the LM of {spec}: {e}") from None
     from diffmm.hub import load_pretrained

@@ -1,16 +1,21 @@
 """Reading checkpoint files safely: ``torch.load(weights_only=True)`` unless the caller trusts the pickle.
 
 Damaged files (empty, truncated, garbage, failed CRC) and weights of the wrong kind (integer or bool
-tensors for float parameters) are refused with one line naming the file and the key.
+tensors for float parameters) are refused with one line naming the file and the key. Formats are told apart
+without unpickling (:func:`peek_keys`), Lightning checkpoints among them (:func:`is_lightning_checkpoint`).
 """
 from __future__ import annotations
 
 import os
+import pathlib
+import pickletools
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 TRUST_HINT = "pass trust_pickle=True (CLI: --trust-pickle) only if you trust where this file came from"
 
@@ -56,8 +61,6 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 def safetensors_damage(path: str | os.PathLike) -> Optional[str]:
     """Why a ``.safetensors`` file is unreadable (``None``: its header and size agree), without reading tensors."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), "pt") as f:
             f.keys()
@@ -90,8 +93,6 @@ def raise_if_damaged(path: str | os.PathLike) -> None:
 
 def read_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file`` whose errors name the file (truncated, garbage, empty, unreadable)."""
-    from safetensors.torch import load_file
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such weights file")
     damage = safetensors_damage(path)
@@ -124,6 +125,50 @@ def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise DamagedFileError(f"{path}: cannot read the checkpoint ({first})") from None
         raise
+
+
+def peek_keys(path: str | os.PathLike, limit: int = 200_000) -> set[str]:
+    """Strings naming tensors in a checkpoint, read without unpickling anything (cheap, safe detection).
+
+    safetensors: the header's keys. torch zip files: the string constants of ``data.pkl`` (keys, and names
+    like ``state_dict``), read with ``pickletools`` (nothing is executed). Other files: empty.
+    """
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            if safetensors_damage(path) is not None:
+                return set()  # damaged: the loader names the file
+            with safe_open(str(path), "pt") as f:
+                return set(f.keys())
+        if not zipfile.is_zipfile(path):
+            return set()
+        with zipfile.ZipFile(path) as z:
+            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            if name is None:
+                return set()
+            data = z.read(name)
+        out: set[str] = set()
+        for op, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str) and "UNICODE" in op.name:
+                out.add(arg)
+                if len(out) >= limit:
+                    break
+        return out
+    except (OSError, ValueError, RuntimeError, zipfile.BadZipFile):
+        return set()
+
+
+def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint file's state dict as saved: unwrapped from ``{'state_dict': ...}`` / ``{'model': ...}`` /
+    ``{'module': ...}``, DDP's ``module.`` prefix stripped."""
+    obj = load_state_file(path, trust_pickle=trust_pickle)
+    for key in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path}: expected a state dict of tensors (or a checkpoint with 'state_dict')")
+    return strip_prefix(obj, "module.")
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -185,3 +230,31 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+# ------------------------------------------------------------------------------- Lightning checkpoints
+LIGHTNING_MARKERS = ("pytorch-lightning_version", "hyper_parameters")
+#: checkpoint entry holding the ``CLIPConfig`` dict of a ``DiffCLIP`` (written by ``CLIPModule``)
+MODEL_CONFIG_KEY = "diffmm_model_config"
+#: classes besides tensors and plain containers a Lightning checkpoint may hold (hyper-parameter paths)
+SAFE_GLOBALS = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
+
+
+def is_lightning_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a torch file with Lightning's top-level entries (read without unpickling)."""
+    p = Path(str(path))
+    return p.is_file() and any(m in peek_keys(p) for m in LIGHTNING_MARKERS)
+
+
+def read_lightning(path: str | os.PathLike, *, prefix: str = "model.", trust_pickle: bool = False
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """``(hyper-parameters, the model's state dict with prefix removed, the whole checkpoint)`` of a Lightning
+    checkpoint, read with ``weights_only=True`` (plus ``pathlib`` paths) unless ``trust_pickle``."""
+    with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        ckpt = load_state_file(path, trust_pickle=trust_pickle)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{path}: not a Lightning checkpoint (no 'state_dict')")
+    sd = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    if not sd:
+        raise KeyError(f"{path}: no weights under the prefix {prefix!r} (export: use --prefix)")
+    return dict(ckpt.get("hyper_parameters") or {}), sd, ckpt

@@ -1,19 +1,19 @@
-"""State-dict conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout.
+"""Conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout: state dicts, and
+configs (open_clip's model configs, or configs read from a state dict's shapes).
 
-diffmm's ``DiffCLIP`` state dict *is* the official DiffCLIP layout (SPEC section 3) without the DDP
-``module.`` prefix, so the official format needs only prefix stripping. open_clip and timm keep q/k/v in one
-fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which splits into
+diffmm's ``DiffCLIP`` state dict *is* the layout of the official DiffCLIP checkpoints (github
+hammoudhasan/DiffCLIP) without the DDP ``module.`` prefix, so the official format needs only prefix stripping.
+open_clip and timm keep q/k/v in one fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which splits into
 ``q_proj`` / ``k_proj`` / ``v_proj``.
 """
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
-if TYPE_CHECKING:  # the model package imports timm / open_clip; keep this module light
-    from diffmm.models.clip.config import CLIPConfig, VisionCfg
+from diffmm.models.clip.config import LOGIT_SCALE_INIT, CLIPConfig, TextCfg, VisionCfg
 
 Tensor = torch.Tensor
 # open_clip vision block names -> diffmm / timm / official DiffCLIP names
@@ -103,11 +103,6 @@ def diffmm_vit_to_timm(sd: dict[str, Tensor], *, prefix: str = "visual.") -> dic
     return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
 
 
-def strip_module(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Remove DDP's ``module.`` prefix from every key that has it."""
-    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
-
-
 def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tensor]:
     """Split any open_clip-style ``attn.in_proj_weight`` left in a DiffCLIP-layout dict (e.g. a standard text
     tower saved as ``nn.MultiheadAttention``) into q/k/v."""
@@ -120,13 +115,13 @@ def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tenso
 
 
 def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
-                          source: str = "checkpoint") -> "CLIPConfig":
+                          source: str = "checkpoint") -> CLIPConfig:
     """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
 
     Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
-    lambda vectors is standard attention with 64-wide heads unless ``head_width`` can be read otherwise.
+    lambda vectors is standard attention with 64-wide heads. The image tower has timm's keys under ``visual.``
+    (:func:`infer_timm_vit_config`, with LayerNorm eps 1e-5).
     """
-    from diffmm.models.clip.config import CLIPConfig, TextCfg, VisionCfg
     def need(key: str) -> Tensor:
         if key not in sd:
             raise KeyError(f"{source}: missing key {key} (not a DiffCLIP-layout checkpoint)")
@@ -136,20 +131,9 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
         idx = {int(m.group(1)) for k in sd for m in [re.match(pattern, k)] if m}
         return max(idx) + 1 if idx else 0
 
-    patch_w = need("visual.patch_embed.proj.weight")  # (W, 3, p, p)
-    vw, p = patch_w.shape[0], patch_w.shape[-1]
-    n_tok = need("visual.pos_embed").shape[1]
-    grid = int(round((n_tok - 1) ** 0.5))
-    if grid * grid != n_tok - 1:
-        raise KeyError(f"{source}: visual.pos_embed has {n_tok} tokens; expected 1 + a square number of patches")
-    v_layers = count(r"^visual\.blocks\.(\d+)\.")
-    v_diff = "visual.blocks.0.attn.lambda_q1" in sd
-    v_head = sd["visual.blocks.0.attn.lambda_q1"].shape[0] if v_diff else 64
-    fc1 = need("visual.blocks.0.mlp.fc1.weight")
-    vision = VisionCfg(image_size=grid * p, patch_size=p, width=vw, layers=v_layers, head_width=v_head,
-                       mlp_ratio=fc1.shape[0] / vw, attn_type="diff" if v_diff else "standard", lambda_init=lambda_init,
-                       pre_norm="visual.norm_pre.weight" in sd,
-                       patch_bias="visual.patch_embed.proj.bias" in sd)
+    need("visual.patch_embed.proj.weight")  # a missing image tower names the layout, not a bare key
+    vision = infer_timm_vit_config({k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")},
+                                   norm_eps=1e-5, lambda_init=lambda_init, source=source)
     ctx, tw = need("positional_embedding").shape
     t_diff = "transformer.resblocks.0.attn.lambda_q1" in sd
     t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else 64
@@ -162,16 +146,75 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
     return cfg
 
 
+def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
+                          source: str = "open_clip config") -> CLIPConfig:
+    """The diffmm config (standard attention, open_clip layout) of an open_clip CLIP model config.
+
+    Supports the plain ViT + text Transformer CLIP (``vision_cfg`` / ``text_cfg`` as in open_clip's
+    ``model_configs``); timm / HF / ResNet towers and custom attention blocks are refused with the field name.
+    """
+    oc = dict(oc.get("model_cfg", oc))
+    quick_gelu = bool(oc.pop("quick_gelu", quick_gelu))
+    if oc.get("init_logit_bias") is not None:
+        raise ValueError(f"{source}: init_logit_bias (a SigLIP-style model) is not supported by diffmm's CLIP")
+    v, t = dict(oc.get("vision_cfg", {})), dict(oc.get("text_cfg", {}))
+    for key, cfg, name in (("timm_model_name", v, "vision_cfg"), ("hf_model_name", t, "text_cfg")):
+        if cfg.get(key):
+            raise ValueError(f"{source}: {name}.{key}={cfg[key]!r} is not a plain Transformer tower; "
+                             f"use diffmm.swap_attention on the open_clip model instead")
+    if isinstance(v.get("layers", 12), (list, tuple)):
+        raise ValueError(f"{source}: vision_cfg.layers={v['layers']} is a ResNet; only ViT towers convert")
+    unsupported = ("attentional_pool", "qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
+                   "scale_attn", "scale_fc", "embed_cls", "no_causal_mask", "final_ln_after_pool", "ls_init_value",
+                   "proj_bias", "act_kwargs", "norm_kwargs")
+    for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
+        bad = [k for k in unsupported if cfg.get(k)]
+        if name == "text_cfg" and cfg.get("pool_type", "argmax") != "argmax":
+            bad.append("pool_type")
+        if name == "text_cfg" and cfg.get("proj_type", "linear") != "linear":
+            bad.append("proj_type")
+        if name == "vision_cfg" and cfg.get("pos_embed_type", "learnable") != "learnable":
+            bad.append("pos_embed_type")
+        if bad:
+            raise ValueError(f"{source}: {name} uses {', '.join(bad)}, which diffmm's CLIP does not implement")
+    act = "quick_gelu" if quick_gelu else "gelu"
+    vision = VisionCfg(image_size=int(_first(v.get("image_size", 224))),
+                       patch_size=int(_first(v.get("patch_size", 16))),
+                       width=v.get("width", 768), layers=v.get("layers", 12), head_width=v.get("head_width", 64),
+                       mlp_ratio=v.get("mlp_ratio", 4.0), attn_type="standard", act=act,
+                       pre_norm=not v.get("no_ln_pre", False), patch_bias=False,
+                       pool_type=v.get("pool_type", "tok"),
+                       image_mean=_tuple_or_none(v.get("image_mean")), image_std=_tuple_or_none(v.get("image_std")))
+    text = TextCfg(context_length=t.get("context_length", 77), vocab_size=t.get("vocab_size", 49408),
+                   width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
+                   mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
+    cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=vision, text_cfg=text,
+                     init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT))
+    cfg.validate(source)
+    return cfg
+
+
+def _tuple_or_none(x):
+    return tuple(x) if x is not None else None
+
+
+def _first(x):
+    """open_clip allows (H, W) sizes; diffmm's ViT is square."""
+    if isinstance(x, (list, tuple)):
+        if len(set(x)) != 1:
+            raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
+        return x[0]
+    return x
+
+
 def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,
-                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> "CLIPConfig":
+                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> CLIPConfig:
     """A diffmm config (standard attention, open_clip layout) from the shapes of an open_clip CLIP state dict.
 
     Shapes do not tell the number of heads or the activation: pass ``head_width`` / ``text_head_width`` /
     ``quick_gelu`` (or load with ``model_name=`` / an ``open_clip_config.json``) when they differ from
     open_clip's defaults (64-wide heads, GELU).
     """
-    from diffmm.models.clip.config import from_open_clip_config
-
     def need(key: str) -> Tensor:
         if key not in sd:
             raise KeyError(f"{source}: missing key {key} (not an open_clip ViT CLIP checkpoint)")
@@ -200,12 +243,10 @@ def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_
 
 
 def infer_timm_vit_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, norm_eps: float = 1e-6,
-                          lambda_init="depth", source: str = "timm checkpoint") -> "VisionCfg":
+                          lambda_init="depth", source: str = "timm checkpoint") -> VisionCfg:
     """A diffmm :class:`VisionCfg` from a timm ViT state dict in diffmm keys (after :func:`timm_vit_to_diffmm`
     with ``prefix=''``). timm's LayerNorm eps is 1e-6 unless told otherwise; heads: from the lambda vectors of a
     differential ViT, else ``head_width`` (default 64)."""
-    from diffmm.models.clip.config import VisionCfg
-
     for bad, why in (("reg_token", "register tokens"), ("fc_norm.weight", "fc_norm (avg-pool head)"),
                      ("attn_pool.latent", "attention pooling")):
         if bad in sd:

@@ -1,4 +1,6 @@
-"""HF transformers ``DiffLlamaForCausalLM`` <-> :class:`diffmm.models.lm.DiffLM` (SPEC section 1).
+"""HF transformers ``DiffLlamaForCausalLM`` <-> :class:`diffmm.models.lm.DiffLM`.
+
+Both implement the differential attention of the DIFF Transformer (arXiv 2410.05258) in a Llama decoder.
 
 Layout differences handled here (E width, h differential heads, h_kv kv heads, d component dim):
 
@@ -29,9 +31,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import save_file
 
 from diffmm.hub.checkpoint import check_state_dict, read_safetensors
-from diffmm.hub.formats import CheckpointFormat, register_format
+from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
 MODEL_TYPE = "diffllama"
@@ -90,8 +93,6 @@ def lm_config_to_hf(cfg) -> dict[str, Any]:
 
 def hf_to_lm_config(hf: dict[str, Any], *, source: str = "config.json", **overrides):
     """An LMConfig from a DiffLlama ``config.json`` dict; unsupported settings are one-line errors."""
-    from diffmm.models.lm import LMConfig
-
     if hf.get("model_type") != MODEL_TYPE:
         raise ValueError(f"{source}: model_type {hf.get('model_type')!r}; expected {MODEL_TYPE!r}")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -257,8 +258,6 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
         model: a :class:`~diffmm.models.lm.DiffLM` with ``attention='diff'`` and depth lambda_init.
         dtype: cast floating tensors (default: keep).
     """
-    from safetensors.torch import save_file
-
     cfg = model.config
     hf_config = lm_config_to_hf(cfg)
     sd = to_difflama({k: v.detach() for k, v in model.state_dict().items()}, cfg)
@@ -286,8 +285,6 @@ def load_difflama(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = Non
         attn_backend: ``diffmm.ops`` backend of every attention layer.
         trust_pickle: accepted for ``load_pretrained`` uniformity; safetensors never needs it.
     """
-    from diffmm.models.lm import DiffLM
-
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a DiffLlama folder)")
@@ -301,7 +298,9 @@ def load_difflama(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = Non
     return model.eval()
 
 
-def _detect(path: Path) -> bool:
+def is_difflama_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder with a DiffLlama ``config.json`` (``model_type: diffllama``) and safetensors."""
+    path = Path(path)
     cfg = path / "config.json"
     if not (path.is_dir() and cfg.is_file()):
         return False
@@ -310,7 +309,3 @@ def _detect(path: Path) -> bool:
     except (ValueError, OSError):
         return False
     return model_type == MODEL_TYPE and (any(path.glob("*.safetensors")) or (path / INDEX_FILE).is_file())
-
-
-register_format(CheckpointFormat("difflama", _detect, load_difflama,
-                                 "HF transformers DiffLlamaForCausalLM folder (config.json + safetensors)"))

@@ -17,26 +17,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn as nn
+
+from diffmm.hub.checkpoint import is_lightning_checkpoint
+from diffmm.hub.diffmm_export import save_export
+from diffmm.hub.factory import create_model, has_weights, load_lightning, random_weights_message
 
 log = logging.getLogger("diffmm.hub")
-
-
-def model_from_lightning(path: Path, *, kind: Optional[str] = None, prefix: str = "model.",
-                         model_name: Optional[str] = None, model_config: Optional[str] = None,
-                         trust_pickle: bool = False) -> nn.Module:
-    """Rebuild the model of a Lightning checkpoint and load its ``prefix``-ed weights strictly
-    (:func:`diffmm.hub.lightning_ckpt.load_lightning`)."""
-    from diffmm.hub.lightning_ckpt import load_lightning
-
-    return load_lightning(path, kind=kind, prefix=prefix, model_name=model_name, model_config=model_config,
-                          trust_pickle=trust_pickle)
 
 
 def export(checkpoint: str, out: str, *, kind: Optional[str] = None, prefix: str = "model.",
@@ -44,23 +35,13 @@ def export(checkpoint: str, out: str, *, kind: Optional[str] = None, prefix: str
            dtype: Optional[str] = None, pretrained: Optional[str] = None) -> Path:
     """Write the export folder ``out`` from ``checkpoint`` (a Lightning checkpoint, any file ``load_pretrained``
     reads, or a model name of :func:`diffmm.create_model` with ``pretrained``); returns the folder."""
-    from diffmm.hub.diffmm_export import save_export
-    from diffmm.hub.lightning_ckpt import is_lightning_checkpoint
-
     if is_lightning_checkpoint(checkpoint):
-        model = model_from_lightning(Path(checkpoint), kind=kind, prefix=prefix, model_name=model_name,
-                                     model_config=model_config, trust_pickle=trust_pickle)
+        model = load_lightning(checkpoint, kind=kind, prefix=prefix, model_name=model_name, model_config=model_config,
+                               trust_pickle=trust_pickle)
     elif (model_name or model_config) and not pretrained:
         raise ValueError(f"{checkpoint}: --model / --model-config choose the architecture of a Lightning checkpoint; "
                          f"this is not one")
-    elif os.path.exists(checkpoint) and not pretrained and not checkpoint.endswith(".json"):
-        import diffmm
-
-        model = diffmm.load_pretrained(checkpoint, trust_pickle=trust_pickle)
-    else:  # a model name (diffmm.create_model's rule), weights from --pretrained or none
-        from diffmm.models.clip import create_model
-        from diffmm.models.clip.naming import has_weights, random_weights_message
-
+    else:  # a checkpoint, or a model name (diffmm.create_model's rule) with weights from --pretrained or none
         model = create_model(checkpoint, pretrained, trust_pickle=trust_pickle)
         if not has_weights(checkpoint, pretrained):
             log.warning(random_weights_message(checkpoint))

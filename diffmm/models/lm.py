@@ -1,4 +1,4 @@
-"""The DIFF decoder language model and its standard-attention twin (SPEC section 2).
+"""The DIFF decoder language model (DIFF Transformer, arXiv 2410.05258) and its standard-attention twin.
 
 nanoGPT-style: one flat config, pre-RMSNorm blocks ``x += attn(norm(x)); x += SwiGLU(norm(x))``,
 no biases, RoPE on every d-wide query/key component, final RMSNorm, tied or untied LM head.
@@ -11,7 +11,6 @@ no biases, RoPE on every d-wide query/key component, final RMSNorm, tied or unti
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
@@ -20,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.models.lm_configs import LM_CONFIGS
 from diffmm.nn import ATTENTION_LAYERS, KVCache, RMSNorm, RotaryEmbedding, SwiGLU, create_attention
 
 
@@ -111,8 +111,6 @@ class LMConfig:
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LMConfig":
         """A named preset (``diffmm.models.lm_configs.list_lm_configs()``), optionally overridden."""
-        from diffmm.models.lm_configs import LM_CONFIGS
-
         if name not in LM_CONFIGS:
             raise ValueError(f"unknown LM config {name!r}; expected one of {', '.join(sorted(LM_CONFIGS))}")
         return cls.from_dict({**LM_CONFIGS[name], **overrides})
@@ -131,27 +129,15 @@ class LMConfig:
         return asdict(self)
 
 
-def _layer_kwargs(attention: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Drop the kwargs an attention class does not take (e.g. lambda options for layers without lambdas)."""
-    cls = ATTENTION_LAYERS[attention][0] if attention in ATTENTION_LAYERS else None
-    if cls is None:
-        return kwargs
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
 class Block(nn.Module):
     """Pre-norm decoder block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
     def __init__(self, cfg: LMConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        kwargs = _layer_kwargs(cfg.attention, dict(
-            layer_idx=layer_idx, lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, causal=True,
-            use_rope=True, norm_eps=cfg.norm_eps, backend=cfg.attn_backend))
-        self.attn = create_attention(cfg.attention, cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head, **kwargs)
+        self.attn = create_attention(cfg.attention, cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head,
+                                     layer_idx=layer_idx, lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std,
+                                     causal=True, use_rope=True, norm_eps=cfg.norm_eps, backend=cfg.attn_backend)
         self.mlp_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden)
 

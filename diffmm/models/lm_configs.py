@@ -2,7 +2,7 @@
 
 Every size comes as a pair, ``diff-<size>`` and ``transformer-<size>``, identical except for
 ``attention``. ``n_head`` always counts the heads of the *standard* Transformer at that width; a
-differential layer gets ``n_head // 2`` heads of the same head dim (SPEC section 2).
+differential layer gets ``n_head // 2`` heads of the same head dim (the paper keeps the width and halves the heads).
 
 Paper sizes (DIFF Transformer, arXiv 2410.05258, App. D scaling table). The widths, depths and
 DIFF head counts below are as we recall that table; we could not fetch the paper from this

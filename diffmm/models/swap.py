@@ -10,38 +10,36 @@ Two initialisations:
   weights are dropped.
 - ``init='upcycle'``: a function-preserving layer built from the pretrained weights (``diffmm.models.upcycle``),
   so the swapped model's outputs at step 0 equal the original's.
+
+The new layer is built as the adapter class of the replaced layer's call convention
+(:mod:`diffmm.models.attn_adapters`), so the block calls it as it called the old one.
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from timm.layers import Attention as TimmAttention
 
-from diffmm.models.attn_adapters import adapt, register_known_layers
-from diffmm.models.upcycle import StdAttnWeights, upcycle
-from diffmm.nn import ATTENTION_LAYERS, create_attention
+from diffmm.models.attn_adapters import TimmCall, adapter_class, components_of
+from diffmm.models.clip.config import layer_attn_types
+from diffmm.models.clip.model import DiffCLIP
+from diffmm.models.clip.vision import VisionTransformer as DiffmmViT
+from diffmm.models.upcycle import UPCYCLE_TYPES, StdAttnWeights, upcycle
+from diffmm.nn import ATTENTION_LAYERS
 from diffmm.nn.attention import Attention as DiffmmAttention
 
 INITS = ("scratch", "upcycle")
-register_known_layers()
 Layers = Union[None, int, Sequence[int], dict]
 
 
-def _open_clip_attention_cls():
-    try:
-        from open_clip.transformer import Attention
-        return Attention
-    except ImportError:  # pragma: no cover
-        return None
-
-
-def _timm_attention_cls():
-    try:
-        from timm.layers import Attention
-        return Attention
-    except ImportError:  # pragma: no cover
-        return None
+def _is_open_clip_attention(layer: nn.Module) -> bool:
+    """Whether ``layer`` is open_clip's ``Attention``. Such a layer exists only once ``open_clip.transformer`` is
+    imported, so this looks it up instead of importing open_clip (``import diffmm`` works without open_clip)."""
+    oc = sys.modules.get("open_clip.transformer")
+    return oc is not None and isinstance(layer, oc.Attention)
 
 
 def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, dict]:
@@ -49,7 +47,6 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
 
     Raises a one-line error naming ``where`` for layers that are not plain multi-head self-attention.
     """
-    oc_attn, timm_attn = _open_clip_attention_cls(), _timm_attention_cls()
     if isinstance(layer, nn.MultiheadAttention):
         if not layer._qkv_same_embed_dim or layer.bias_k is not None or layer.add_zero_attn:
             raise ValueError(f"{where}: nn.MultiheadAttention with separate kdim/vdim, bias_k/bias_v or "
@@ -58,7 +55,7 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
         bq, bk, bv = layer.in_proj_bias.chunk(3) if layer.in_proj_bias is not None else (None, None, None)
         w = StdAttnWeights(q, k, v, layer.out_proj.weight, bq, bk, bv, layer.out_proj.bias, layer.num_heads)
         return w, "mha", {"batch_first": layer.batch_first, "mask_heads": layer.num_heads}
-    if oc_attn is not None and isinstance(layer, oc_attn):
+    if _is_open_clip_attention(layer):
         extras = [n for n, on in (("scaled_cosine", layer.logit_scale is not None),
                                   ("scale_heads", layer.head_scale is not None),
                                   ("qk_norm", not isinstance(layer.ln_q, nn.Identity)),
@@ -69,7 +66,7 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
         bq, bk, bv = layer.in_proj_bias.chunk(3) if layer.in_proj_bias is not None else (None, None, None)
         w = StdAttnWeights(q, k, v, layer.out_proj.weight, bq, bk, bv, layer.out_proj.bias, layer.num_heads)
         return w, "open_clip", {"mask_heads": layer.num_heads}
-    if timm_attn is not None and type(layer) is timm_attn:
+    if type(layer) is TimmAttention:
         extras = [n for n, on in (("qk_norm", not isinstance(layer.q_norm, nn.Identity)),
                                   ("scale_norm", not isinstance(layer.norm, nn.Identity)),
                                   ("gated", getattr(layer, "gate", None) is not None),
@@ -93,16 +90,11 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
 
 def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
     """Tower name -> its Transformer blocks (each with an ``.attn``), for every model type swap supports."""
-    from diffmm.models.clip.model import DiffCLIP
-    from diffmm.models.clip.vision import VisionTransformer as DiffmmViT
-
-    towers: dict[str, list[nn.Module]] = {}
     if isinstance(model, DiffCLIP):
         return {"visual": list(model.visual.blocks), "text": list(model.transformer.resblocks)}
-    if isinstance(model, DiffmmViT):
+    if isinstance(model, DiffmmViT) or _is_timm_vit(model):
         return {"visual": list(model.blocks)}
-    if _is_timm_vit(model):
-        return {"visual": list(model.blocks)}
+    towers: dict[str, list[nn.Module]] = {}
     visual = getattr(model, "visual", None)
     if visual is not None:
         towers["visual"] = _image_tower_blocks(visual)
@@ -150,13 +142,39 @@ def _resolve_layers(layers: Layers, tower: str, n: int) -> list[int]:
     return sorted(set(out))
 
 
-def _build(w: StdAttnWeights, attn_type: str, init: str, *, layer_idx: int, lambda_init, backend,
-           generator) -> nn.Module:
+def new_layer(layer_cls: type, w: StdAttnWeights, *, layer_idx: int = 0, lambda_init: Union[str, float] = "constant",
+              backend: Optional[str] = None) -> nn.Module:
+    """A fresh layer of ``layer_cls`` (a registered attention class or its adapter) at the width, standard heads,
+    biases and causality of ``w``, with the layer's own init."""
+    if issubclass(layer_cls, TimmCall):  # timm's constructor (standard heads, depth)
+        return layer_cls(w.dim, w.num_heads, qkv_bias=w.qkv_bias, proj_bias=w.proj_bias, depth=layer_idx,
+                         lambda_init=lambda_init, backend=backend)
+    comps = components_of(layer_cls)
+    if w.num_heads % comps:
+        raise ValueError(f"{layer_cls.__name__} needs the heads ({w.num_heads}) divisible by {comps}")
+    return layer_cls(w.dim, w.num_heads // comps, head_dim=w.dim // w.num_heads, layer_idx=layer_idx,
+                     lambda_init=lambda_init, causal=w.causal, qkv_bias=w.qkv_bias, proj_bias=w.proj_bias,
+                     backend=backend)
+
+
+def replacement_layer(old: nn.Module, *, attn_type: str = "diff", init: str = "scratch", layer_idx: int = 0,
+                      lambda_init: Union[str, float] = "constant", backend: Optional[str] = None,
+                      generator: Optional[torch.Generator] = None, where: str = "layer") -> nn.Module:
+    """The layer that replaces ``old``: ``attn_type`` (``init='upcycle'``: its function-preserving type and weights)
+    as the adapter class of ``old``'s call convention, on ``old``'s device and dtype, in ``old``'s train mode."""
+    w, convention, attrs = extract_weights(old, where)
+    target = UPCYCLE_TYPES[attn_type] if init == "upcycle" else attn_type
+    layer_cls = adapter_class(convention, ATTENTION_LAYERS[target][0])
+    new = new_layer(layer_cls, w, layer_idx=layer_idx, lambda_init=lambda_init,
+                    backend=backend if backend is not None else getattr(old, "backend", None))
     if init == "upcycle":
-        return upcycle(w, attn_type, layer_idx=layer_idx, lambda_init=lambda_init, backend=backend,
-                       generator=generator)
-    return create_attention(attn_type, w.dim, w.num_heads, layer_idx=layer_idx, lambda_init=lambda_init,
-                            causal=w.causal, qkv_bias=w.qkv_bias, proj_bias=w.proj_bias, backend=backend)
+        upcycle(new, w, generator=generator)
+    ref = old.out_proj.weight if hasattr(old, "out_proj") else old.proj.weight
+    new.to(device=ref.device, dtype=ref.dtype)
+    for k, v in attrs.items():  # the replaced layer's call details (batch_first, heads of 3-dim masks)
+        if v is not None:
+            setattr(new, k, v)
+    return new.train(old.training)
 
 
 def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] = None, layers: Layers = None,
@@ -180,6 +198,9 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
         raise ValueError(f"init {init!r}; expected one of {', '.join(INITS)}")
     if attn_type not in ATTENTION_LAYERS:
         raise ValueError(f"unknown attention type {attn_type!r}; expected one of {', '.join(ATTENTION_LAYERS)}")
+    if init == "upcycle" and attn_type not in UPCYCLE_TYPES:
+        raise NotImplementedError(f"init='upcycle' is implemented for attn_type in {', '.join(UPCYCLE_TYPES)}; "
+                                  f"got {attn_type!r} (use init='scratch')")
     found = find_towers(model)
     towers = list(found) if towers is None else [towers] if isinstance(towers, str) else list(towers)
     missing = [t for t in towers if t not in found]
@@ -191,16 +212,9 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
         idx = _resolve_layers(layers, tower, len(blocks))
         for i in idx:
             old = blocks[i].attn
-            where = f"{tower} layer {i} ({type(old).__name__})"
-            w, convention, attrs = extract_weights(old, where)
-            ref = old.out_proj.weight if hasattr(old, "out_proj") else old.proj.weight
-            new = _build(w, attn_type, init, layer_idx=i, lambda_init=lambda_init,
-                         backend=backend if backend is not None else getattr(old, "backend", None),
-                         generator=generator)
-            new = adapt(new.to(device=ref.device, dtype=ref.dtype), convention,
-                        **{k: v for k, v in attrs.items() if v is not None})
-            new.train(old.training)
-            blocks[i].attn = new
+            blocks[i].attn = replacement_layer(old, attn_type=attn_type, init=init, layer_idx=i,
+                                               lambda_init=lambda_init, backend=backend, generator=generator,
+                                               where=f"{tower} layer {i} ({type(old).__name__})")
         record.append({"tower": tower, "layers": idx, "init": init, "attn_type": attn_type,
                        "lambda_init": lambda_init})
     _update_config(model, record)
@@ -210,16 +224,12 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
 
 def _update_config(model: nn.Module, record: list[dict]) -> None:
     """Keep a DiffCLIP's config describing its layers, so an export of the swapped model reloads."""
-    from diffmm.models.clip.config import layer_attn_types
-    from diffmm.models.clip.model import DiffCLIP
-    from diffmm.models.upcycle import UPCYCLED
-
     if not isinstance(model, DiffCLIP):
         return
     for r in record:
         cfg = model.config.vision_cfg if r["tower"] == "visual" else model.config.text_cfg
         types = layer_attn_types(cfg)
-        new_type = UPCYCLED if (r["init"] == "upcycle" and r["attn_type"] == "diff") else r["attn_type"]
+        new_type = UPCYCLE_TYPES[r["attn_type"]] if r["init"] == "upcycle" else r["attn_type"]
         for i in r["layers"]:
             types[i] = new_type
         cfg.attn_type = types[0] if len(set(types)) == 1 else types

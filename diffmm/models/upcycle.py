@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from diffmm.nn import DiffAttention, create_attention, register_attention
+from diffmm.nn import Attention, DiffAttention, DiffV2Attention, register_attention
 from diffmm.nn.diff_attention import check_heads
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import resolve_lambda_init
@@ -110,10 +110,6 @@ class UpcycledDiffAttention(DiffAttention):
         self.norm_gate = nn.Parameter(torch.zeros(num_heads))  # beta: 0 = raw (pretrained) head, 1 = the paper's head
         self.reset_lambda()
 
-    def set_layer_idx(self, layer_idx: int) -> None:
-        """Move the layer to depth ``layer_idx`` (re-resolves a ``'depth'`` lambda_init)."""
-        self.layer_idx, self.lambda_init = layer_idx, resolve_lambda_init(self.lambda_init_spec, layer_idx)
-
     def forward(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
                 causal: Optional[bool] = None) -> torch.Tensor:
@@ -144,26 +140,28 @@ def _pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 1, d, *w.shape[1:]).expand(heads, 2, d, *w.shape[1:]).reshape(2 * heads * d, *w.shape[1:])
 
 
-def _layer_kwargs(w: StdAttnWeights, **kw) -> dict:
-    return dict(num_kv_heads=None, qkv_bias=w.qkv_bias, proj_bias=w.proj_bias, causal=w.causal, **kw)
+def _check_shapes(layer: nn.Module, expected: dict[str, tuple[int, int]], what: str) -> None:
+    for name, shape in expected.items():
+        got = tuple(getattr(layer, name).weight.shape)
+        if got != shape:
+            raise NotImplementedError(f"upcycle to {what} expects {name} {shape}; {type(layer).__name__} has {got}")
 
 
 @torch.no_grad()
-def upcycle_diff(w: StdAttnWeights, *, lambda_init: str | float = "constant", layer_idx: int = 0,
-                 backend: Optional[str] = None, split_noise: float = 0.1,
+def upcycle_diff(layer: UpcycledDiffAttention, w: StdAttnWeights, *, split_noise: float = 0.1,
                  generator: Optional[torch.Generator] = None) -> UpcycledDiffAttention:
-    """An :class:`UpcycledDiffAttention` computing exactly what ``w`` computes (see the module docstring).
+    """Set ``layer`` (h = H heads of dim d at ``w``'s width) to compute exactly what ``w`` computes (see the module
+    docstring).
 
     Args:
+        layer: the new layer, built with ``w``'s width, heads and biases.
         w: the pretrained layer's weights.
-        lambda_init / layer_idx / backend: of the new layer.
         split_noise: std of the zero-sum noise between the two value halves' out-proj columns, relative to the
             std of ``Wo`` (breaks their symmetry; 0 keeps them identical forever).
         generator: RNG for the lambda vectors and the split noise.
     """
     H, d, E = w.num_heads, w.head_dim, w.dim
-    layer = UpcycledDiffAttention(E, H, head_dim=d, layer_idx=layer_idx, lambda_init=lambda_init, backend=backend,
-                                  **_layer_kwargs(w))
+    _check_shapes(layer, {"q_proj": (2 * E, E), "v_proj": (2 * E, E), "out_proj": (E, 2 * E)}, UPCYCLED)
     ct = torch.promote_types(w.wq.dtype, torch.float32)
     layer.to(ct)
     layer.q_proj.weight.copy_(_pairs(w.wq, H))
@@ -188,20 +186,15 @@ def upcycle_diff(w: StdAttnWeights, *, lambda_init: str | float = "constant", la
 
 
 @torch.no_grad()
-def upcycle_v2(w: StdAttnWeights, *, layer_idx: int = 0, backend: Optional[str] = None, **unused) -> nn.Module:
-    """A DIFF V2 layer (``create_attention('diff_v2', E, H)``) computing exactly what ``w`` computes.
+def upcycle_v2(layer: DiffV2Attention, w: StdAttnWeights) -> DiffV2Attention:
+    """Set a DIFF V2 layer (H heads at ``w``'s width) to compute exactly what ``w`` computes.
 
     Query maps 2j and 2j+1 = the pretrained ``q_j``; K, V = the pretrained ones; ``W_lambda = 0`` so
     ``sigmoid = 1/2`` and head_j = O_j - O_j / 2; ``out_proj = 2 Wo`` restores the pretrained output.
     """
-    H, d, E = w.num_heads, w.head_dim, w.dim
-    layer = create_attention("diff_v2", E, H, layer_idx=layer_idx, backend=backend, **_layer_kwargs(w))
-    expected = {"q_proj": (2 * E, E), "k_proj": (E, E), "v_proj": (E, E), "lambda_proj": (H, E), "out_proj": (E, E)}
-    for name, shape in expected.items():
-        got = tuple(getattr(layer, name).weight.shape)
-        if got != shape:
-            raise NotImplementedError(f"upcycle to diff_v2 expects {name} {shape}; the registered DIFF V2 layer has "
-                                      f"{got}")
+    H, E = w.num_heads, w.dim
+    _check_shapes(layer, {"q_proj": (2 * E, E), "k_proj": (E, E), "v_proj": (E, E), "lambda_proj": (H, E),
+                          "out_proj": (E, E)}, "diff_v2")
     layer.to(torch.promote_types(w.wq.dtype, torch.float32))
     layer.q_proj.weight.copy_(_pairs(w.wq, H))
     layer.k_proj.weight.copy_(w.wk)
@@ -218,9 +211,8 @@ def upcycle_v2(w: StdAttnWeights, *, layer_idx: int = 0, backend: Optional[str] 
 
 
 @torch.no_grad()
-def copy_standard(w: StdAttnWeights, *, layer_idx: int = 0, backend: Optional[str] = None, **unused) -> nn.Module:
+def copy_standard(layer: Attention, w: StdAttnWeights) -> Attention:
     """diffmm's standard :class:`diffmm.nn.Attention` with the same weights (exact)."""
-    layer = create_attention("standard", w.dim, w.num_heads, layer_idx=layer_idx, backend=backend, **_layer_kwargs(w))
     layer.to(torch.promote_types(w.wq.dtype, torch.float32))
     for name, wt, b in (("q_proj", w.wq, w.bq), ("k_proj", w.wk, w.bk), ("v_proj", w.wv, w.bv),
                         ("out_proj", w.wo, w.bo)):
@@ -230,13 +222,18 @@ def copy_standard(w: StdAttnWeights, *, layer_idx: int = 0, backend: Optional[st
     return layer
 
 
-# attn_type -> function-preserving builder. Other registered types swap only with init='scratch'.
-UPCYCLERS = {"diff": upcycle_diff, UPCYCLED: upcycle_diff, "diff_v2": upcycle_v2, "standard": copy_standard}
+#: attn_type -> the registered type ``init='upcycle'`` builds; other types swap only with ``init='scratch'``
+UPCYCLE_TYPES = {"diff": UPCYCLED, UPCYCLED: UPCYCLED, "diff_v2": "diff_v2", "standard": "standard"}
 
 
-def upcycle(w: StdAttnWeights, attn_type: str, **kw) -> nn.Module:
-    """The function-preserving layer of ``attn_type`` for the pretrained weights ``w``."""
-    if attn_type not in UPCYCLERS:
-        raise NotImplementedError(f"init='upcycle' is implemented for attn_type in {', '.join(UPCYCLERS)}; "
-                                  f"got {attn_type!r} (use init='scratch')")
-    return UPCYCLERS[attn_type](w, **kw)
+def upcycle(layer: nn.Module, w: StdAttnWeights, *, generator: Optional[torch.Generator] = None) -> nn.Module:
+    """Set the weights of ``layer`` (a new layer of an :data:`UPCYCLE_TYPES` type, or its call-convention adapter,
+    built with ``w``'s width, heads and biases) so that it computes exactly what ``w`` computes."""
+    if isinstance(layer, UpcycledDiffAttention):
+        return upcycle_diff(layer, w, generator=generator)
+    if isinstance(layer, DiffV2Attention):
+        return upcycle_v2(layer, w)
+    if isinstance(layer, Attention):
+        return copy_standard(layer, w)
+    raise NotImplementedError(f"init='upcycle' is implemented for attn_type in {', '.join(UPCYCLE_TYPES)}; "
+                              f"got a {type(layer).__name__} (use init='scratch')")

@@ -128,7 +128,7 @@ class CLIPModule(TrainModule):
             model = diffmm.create_model(model_name, pretrained or None, swap=swap, trust_pickle=trust_pickle,
                                         **dict(model_kwargs or {}))
         elif swap:
-            from diffmm.models.clip.factory import apply_swap
+            from diffmm.hub.factory import apply_swap
 
             apply_swap(model, swap)
         for attr in ("encode_image", "encode_text", "logit_scale"):
@@ -143,7 +143,7 @@ class CLIPModule(TrainModule):
         ``diffmm.load_pretrained`` / ``diffmm eval --model CKPT`` rebuild the model without the training code."""
         config = getattr(self.model, "config", None)
         if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
-            from diffmm.hub.lightning_ckpt import MODEL_CONFIG_KEY
+            from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
 
             checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
@@ -166,23 +166,23 @@ class CLIPModule(TrainModule):
     @property
     def image_mean(self) -> tuple[float, ...]:
         """Image normalisation mean the model expects (linked to the data module; see
-        :func:`~diffmm.models.clip.transforms.normalization_of`)."""
-        from diffmm.models.clip.transforms import normalization_of
+        :func:`~diffmm.models.clip.preprocess.normalization_of`)."""
+        from diffmm.models.clip.preprocess import normalization_of
 
         return normalization_of(self.model)[0]
 
     @property
     def image_std(self) -> tuple[float, ...]:
         """Image normalisation std the model expects (linked to the data module)."""
-        from diffmm.models.clip.transforms import normalization_of
+        from diffmm.models.clip.preprocess import normalization_of
 
         return normalization_of(self.model)[1]
 
     @property
     def truncate(self) -> str:
         """How captions over the context are cut, ``'eot'`` or ``'cut'`` (linked to the data module; see
-        :func:`~diffmm.models.clip.factory.truncate_of`)."""
-        from diffmm.models.clip.factory import truncate_of
+        :func:`~diffmm.models.clip.preprocess.truncate_of`)."""
+        from diffmm.models.clip.preprocess import truncate_of
 
         return truncate_of(self.model)
 

@@ -63,8 +63,8 @@ class ZeroShotHook:
         from diffmm.eval.classnames import get_classnames
         from diffmm.eval.image_sources import open_image_source
         from diffmm.eval.zeroshot import zero_shot
-        from diffmm.models.clip.factory import tokenizer_for
-        from diffmm.models.clip.transforms import transforms_for
+        from diffmm.models.clip.preprocess import tokenizer_for
+        from diffmm.models.clip.preprocess import transforms_for
 
         names = get_classnames(self.classnames)
         _, transform = transforms_for(model)

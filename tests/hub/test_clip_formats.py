@@ -13,11 +13,11 @@ from open_clip.model import CLIP
 from safetensors.torch import save_file
 
 import diffmm
-from diffmm.hub import clip_formats
-from diffmm.hub.clip_formats import load_weights_into
+from diffmm.hub import factory
+from diffmm.hub.clip_formats import load_weights_and_config
 from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.export_cli import main as export_main
-from diffmm.models.clip import create_model
+from diffmm.hub.factory import create_model
 
 OC_CFG = dict(embed_dim=48, vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=2, head_width=16),
               text_cfg=dict(context_length=16, vocab_size=49408, width=64, heads=4, layers=2))
@@ -25,7 +25,8 @@ OC_CFG = dict(embed_dim=48, vision_cfg=dict(image_size=32, patch_size=8, width=6
 
 def official_shapes(vw: int, vl: int, tw: int, tl: int, d: int, embed: int, grid: int, patch: int, ctx: int = 77,
                     vocab: int = 49408) -> dict[str, tuple]:
-    """The official DiffCLIP checkpoint's keys and shapes, written from SPEC section 3 (not from diffmm's code)."""
+    """The keys and shapes of the official DiffCLIP checkpoints (github hammoudhasan/DiffCLIP; the layout
+    docs/models.md documents), written out here rather than derived from diffmm's code."""
     s = {"positional_embedding": (ctx, tw), "image_projection": (vw, embed), "text_projection": (tw, embed),
          "logit_scale": (), "token_embedding.weight": (vocab, tw), "ln_final.weight": (tw,), "ln_final.bias": (tw,),
          "visual.cls_token": (1, 1, vw), "visual.pos_embed": (1, grid * grid + 1, vw),
@@ -125,7 +126,7 @@ def test_loading_errors_name_the_keys(tmp_path):
     path = tmp_path / "bad.safetensors"
     save_file(sd, str(path))
     with pytest.raises(KeyError) as e:
-        load_weights_into(create_model("DiffCLIP-Tiny", **TINY_OVERRIDES), path)
+        load_weights_and_config(create_model("DiffCLIP-Tiny", **TINY_OVERRIDES), path)
     msg = str(e.value)
     assert "missing keys: visual.blocks.1.attn.lambda_q1" in msg
     assert "unexpected keys: visual.blocks.0.attn.extra" in msg
@@ -191,7 +192,7 @@ def test_hf_hub_without_network(monkeypatch):
         raise FileNotFoundError("not cached")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
-    monkeypatch.setattr(clip_formats, "network_available", lambda *a, **k: False)
+    monkeypatch.setattr(factory, "network_available", lambda *a, **k: False)
     with pytest.raises(ConnectionError, match=r"hf-hub:org/model: not in the local Hugging Face cache .* local-dir"):
         diffmm.load_pretrained("hf-hub:org/model")
     assert calls == [True]  # only the cache was asked

@@ -12,8 +12,8 @@ from open_clip.model import CLIP
 
 import diffmm
 from diffmm.hub.export_cli import main as export_main
-from diffmm.hub.lightning_ckpt import MODEL_CONFIG_KEY, is_lightning_checkpoint
-from diffmm.models.clip import create_model
+from diffmm.hub.checkpoint import MODEL_CONFIG_KEY, is_lightning_checkpoint
+from diffmm.hub.factory import create_model
 
 SMALL = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 2, "head_width": 16},
          "text_cfg": {"context_length": 16, "width": 64, "heads": 4, "layers": 2}}

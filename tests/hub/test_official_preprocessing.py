@@ -1,6 +1,6 @@
-"""Official DiffCLIP checkpoints load with the official preprocessing (SPEC section 3: ImageNet mean/std, the SLIP
-tokenizer's truncation), recorded in the model's config so every path (load_pretrained, create_model, eval /
-classify's load_clip, export, Lightning checkpoints) uses it."""
+"""Official DiffCLIP checkpoints load with the official preprocessing (that of github hammoudhasan/DiffCLIP, built
+on SLIP: ImageNet mean/std, the SLIP tokenizer's truncation), recorded in the model's config so every path
+(load_pretrained, create_model, eval / classify's load_clip, export, Lightning checkpoints) uses it."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 import diffmm
 from diffmm.eval.loading import load_clip
 from diffmm.hub.diffmm_export import save_export
-from diffmm.models.clip import create_model
+from diffmm.hub.factory import create_model
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
 from diffmm.models.clip.tokenizer import CLIPTokenizer
 from test_clip_formats import TINY_OVERRIDES, official_state_dict

@@ -9,8 +9,9 @@ import torch
 from open_clip.model import CLIP
 
 import diffmm
-from diffmm.hub.clip_convert import open_clip_to_diffmm
-from diffmm.models.clip import CLIPConfig, DiffCLIP, create_model, from_open_clip_config, get_model_config, list_models
+from diffmm.hub.clip_convert import from_open_clip_config, open_clip_to_diffmm
+from diffmm.hub.factory import create_model
+from diffmm.models.clip import CLIPConfig, DiffCLIP, get_model_config, list_models
 from diffmm.nn import DiffAttention, DiffV2Attention
 from diffmm.nn.attention import Attention
 
@@ -57,7 +58,7 @@ def test_large_configs_build_on_meta(name):
     cfg = m.config
     assert len(m.visual.blocks) == cfg.vision_cfg.layers and len(m.transformer.resblocks) == cfg.text_cfg.layers
     layer = m.visual.blocks[0].attn
-    if cfg.vision_cfg.attn_type == "diff":  # half the heads of the standard Transformer (SPEC section 1)
+    if cfg.vision_cfg.attn_type == "diff":  # half the heads of the standard Transformer (DIFF Transformer)
         assert isinstance(layer, DiffAttention) and layer.num_heads == cfg.vision_cfg.heads // 2
         assert layer.head_dim == 64
     else:
@@ -136,7 +137,7 @@ def test_forward_interface_and_logit_scale():
     img, txt = small_inputs()
     i, t, s = m(img, txt)
     assert i.shape == t.shape == (2, 128) and math.isclose(s.item(), 1 / 0.07, rel_tol=1e-5)
-    assert not torch.allclose(i.norm(dim=-1), torch.ones(2))  # not normalised in forward (SPEC section 3)
+    assert not torch.allclose(i.norm(dim=-1), torch.ones(2))  # not normalised in forward (as the official DiffCLIP)
     m.output_dict = True
     out = m(img, txt, normalize=True)
     torch.testing.assert_close(out["image_features"].norm(dim=-1), torch.ones(2))

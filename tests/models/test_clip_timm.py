@@ -10,7 +10,8 @@ import torch.nn as nn
 from timm.models.vision_transformer import VisionTransformer
 
 from diffmm.hub.clip_convert import diffmm_vit_to_timm, timm_vit_to_diffmm
-from diffmm.models.clip import VisionCfg, VisionTransformer as DiffmmViT, create_model
+from diffmm.hub.factory import create_model
+from diffmm.models.clip import VisionCfg, VisionTransformer as DiffmmViT
 
 
 @pytest.mark.parametrize("lambda_init", ["depth", "constant"])

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import pickle
 from functools import partial
 
 import open_clip
@@ -12,6 +14,9 @@ import torch.nn as nn
 from open_clip.model import CLIP, CustomTextCLIP
 
 import diffmm
+from diffmm.models.attn_adapters import MHAUpcycledDiffAttention
+from diffmm.models.swap import replacement_layer
+from diffmm.models.timm_models import set_layer_depths, timm_attn_layer
 from diffmm.models.upcycle import UpcycledDiffAttention
 from diffmm.nn import DiffAttention, DiffV2Attention
 
@@ -160,16 +165,8 @@ def test_mha_masks_match_original():
     """Key padding and bool / additive / per-head masks through the nn.MultiheadAttention adapter."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
-    block = nn.Module()
-    block.attn = copy.deepcopy(mha)
-    holder = nn.Module()
-    holder.blocks = [block]
-    from diffmm.models.swap import extract_weights
-    from diffmm.models.attn_adapters import adapt
-    from diffmm.models.upcycle import upcycle
-
-    w, conv, attrs = extract_weights(mha, "test")
-    layer = adapt(upcycle(w, "diff"), conv, **attrs).eval()
+    layer = replacement_layer(mha, attn_type="diff", init="upcycle")
+    assert type(layer) is MHAUpcycledDiffAttention and not layer.training
     x = torch.randn(2, 5, 32)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
@@ -223,7 +220,6 @@ def test_swap_errors_are_clear():
 
 def test_timm_attn_layer_standard_matches_timm_attention():
     from diffmm.hub.clip_convert import timm_vit_to_diffmm
-    from diffmm.models.timm_models import timm_attn_layer
 
     torch.manual_seed(0)
     kw = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=0,
@@ -236,3 +232,46 @@ def test_timm_attn_layer_standard_matches_timm_attention():
         torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ours.forward_features(x, is_causal=True), ref.forward_features(x, is_causal=True),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_timm_attn_layer_depth_lambda_init_and_backend_set_after_building():
+    """timm builds attn_layer with its own arguments; set_layer_depths gives depth, lambda_init and backend."""
+    vit = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=3,
+                                                          num_heads=4, num_classes=0, attn_layer=timm_attn_layer())
+    assert all(b.attn.layer_idx == 0 for b in vit.blocks)  # timm passes no depth to a non-timm DiffAttention
+    set_layer_depths(vit)
+    assert [b.attn.lambda_init for b in vit.blocks] == pytest.approx([0.8 - 0.6 * math.exp(-0.3 * i) for i in range(3)])
+    set_layer_depths(vit, lambda_init=0.5, backend="reference")
+    assert all(b.attn.lambda_init == 0.5 and b.attn.backend == "reference" for b in vit.blocks)
+    with pytest.raises(ValueError, match="does not support qk_norm"):
+        timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1,
+                                                         num_heads=4, qk_norm=True, attn_layer=timm_attn_layer())
+
+
+def _oc_custom_clip():
+    cfg = copy.deepcopy(OC_CFG)
+    cfg["vision_cfg"]["block_type"] = "custom"
+    return CustomTextCLIP(**cfg)
+
+
+@pytest.mark.parametrize("build, attn_type", [(lambda: CLIP(**OC_CFG), "diff"), (_oc_custom_clip, "diff_v2"),
+                                              (lambda: diffmm.create_model("CLIP-Tiny"), "diff"),
+                                              (lambda: timm.models.vision_transformer.VisionTransformer(
+                                                  img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4),
+                                               "standard")])
+def test_swapped_model_pickles_whole(build, attn_type):
+    """The swapped-in layers are module-level classes built as such (no class surgery): the whole model pickles."""
+    torch.manual_seed(0)
+    model = build().eval()
+    diffmm.swap_attention(model, init="upcycle", attn_type=attn_type, generator=torch.Generator().manual_seed(0))
+    back = pickle.loads(pickle.dumps(model))
+    assert [type(m) for m in back.modules()] == [type(m) for m in model.modules()]
+    size = 32 if not isinstance(model, diffmm.models.clip.DiffCLIP) else 64
+    img = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        if hasattr(model, "encode_text"):
+            txt = tokens(model.context_length if hasattr(model, "context_length") else 16)[:2]
+            for a, b in zip(features(back, img, txt), features(model, img, txt)):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(back(img), model(img), atol=0, rtol=0)

@@ -64,7 +64,8 @@ def test_model_pieces_import_without_optional_packages():
 import torch
 import diffmm.ops, diffmm.nn
 from diffmm.models.lm import DiffLM, LMConfig
-from diffmm.models.clip import DiffCLIP, create_model, get_model_config
+from diffmm.hub.factory import create_model
+from diffmm.models.clip import DiffCLIP, get_model_config
 from diffmm.train.losses import ContrastiveLoss
 from diffmm.train.optim import build_adamw, param_groups
 m = create_model("DiffCLIP-Tiny", vision_cfg=dict(layers=1), text_cfg=dict(layers=1))

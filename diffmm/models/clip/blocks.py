@@ -1,6 +1,6 @@
 """Pre-norm Transformer blocks of the two CLIP towers, with attention from the ``diffmm.nn`` registry.
 
-Parameter names follow the official DiffCLIP checkpoint (SPEC section 3): vision blocks
+Parameter names follow the official DiffCLIP checkpoint (github hammoudhasan/DiffCLIP): vision blocks
 ``norm1 / attn / norm2 / mlp.fc1 / mlp.fc2`` (timm-style), text blocks ``ln_1 / attn / ln_2 / mlp.c_fc /
 mlp.c_proj`` (open_clip-style).
 """
@@ -12,14 +12,7 @@ import torch
 import torch.nn as nn
 
 import diffmm.models.upcycle  # noqa: F401  (registers the 'diff_upcycled' attention type)
-from diffmm.nn import create_act, create_attention
-
-
-def build_attention(attn_type: str, width: int, heads: int, *, layer_idx: int, lambda_init, causal: bool,
-                    qkv_bias: bool, proj_bias: bool, backend: Optional[str]) -> nn.Module:
-    """One attention layer of a tower (``heads`` = standard heads at this width)."""
-    return create_attention(attn_type, width, heads, layer_idx=layer_idx, lambda_init=lambda_init, causal=causal,
-                            qkv_bias=qkv_bias, proj_bias=proj_bias, backend=backend)
+from diffmm.nn import create_act
 
 
 class VisionBlock(nn.Module):

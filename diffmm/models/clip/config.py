@@ -1,10 +1,12 @@
 """CLIP / DiffCLIP model configs: open_clip-style JSON (``embed_dim``, ``vision_cfg``, ``text_cfg``) plus
-the attention type and lambda_init of each tower (SPEC section 3).
+the attention type and lambda_init of each tower, and the configs by name (``list_models``, ``get_model_config``,
+``add_model_config``, as open_clip's).
 
 A tower's ``attn_type`` is any name registered in :data:`diffmm.nn.ATTENTION_LAYERS` (``'diff'``,
 ``'standard'``, ``'diff_v2'``, ...) or a list with one name per layer (what a partial
 :func:`diffmm.swap_attention` leaves). ``heads`` always counts the heads of the *standard* Transformer at
-that width (a differential layer has half of them, SPEC section 1).
+that width: a differential layer has half of them, each with two query/key components of the same head dim,
+as the DIFF Transformer (arXiv 2410.05258) and DiffCLIP (arXiv 2503.06626) keep the width and halve the heads.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+#: the JSON files of the built-in configs (one per name: ``DiffCLIP-ViT-B-16.json``, ...)
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
+
 AttnType = Union[str, list]
 LOGIT_SCALE_INIT = math.log(1 / 0.07)
 LOGIT_SCALE_MAX = 100.0
 #: image normalisation of OpenAI's CLIP (open_clip's default; diffmm's when a config names none)
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-#: ImageNet's, used by the official DiffCLIP code (SLIP's data pipeline; SPEC section 3)
+#: ImageNet's, used by the official DiffCLIP code (github hammoudhasan/DiffCLIP, whose data pipeline is SLIP's)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: how captions longer than the context are cut: ``'eot'`` keeps the end-of-text token last (open_clip),
@@ -82,10 +87,6 @@ class VisionCfg:
     @property
     def heads(self) -> int:
         return self.width // self.head_width
-
-    @property
-    def grid_size(self) -> int:
-        return self.image_size // self.patch_size
 
 
 @dataclass
@@ -211,62 +212,41 @@ def load_config_file(path: str | Path) -> CLIPConfig:
     return CLIPConfig.from_dict(d, source=str(path))
 
 
-def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
-                          source: str = "open_clip config") -> CLIPConfig:
-    """The diffmm config (standard attention, open_clip layout) of an open_clip CLIP model config.
-
-    Supports the plain ViT + text Transformer CLIP (``vision_cfg`` / ``text_cfg`` as in open_clip's
-    ``model_configs``); timm / HF / ResNet towers and custom attention blocks are refused with the field name.
-    """
-    oc = dict(oc.get("model_cfg", oc))
-    quick_gelu = bool(oc.pop("quick_gelu", quick_gelu))
-    if oc.get("init_logit_bias") is not None:
-        raise ValueError(f"{source}: init_logit_bias (a SigLIP-style model) is not supported by diffmm's CLIP")
-    v, t = dict(oc.get("vision_cfg", {})), dict(oc.get("text_cfg", {}))
-    for key, cfg, name in (("timm_model_name", v, "vision_cfg"), ("hf_model_name", t, "text_cfg")):
-        if cfg.get(key):
-            raise ValueError(f"{source}: {name}.{key}={cfg[key]!r} is not a plain Transformer tower; "
-                             f"use diffmm.swap_attention on the open_clip model instead")
-    if isinstance(v.get("layers", 12), (list, tuple)):
-        raise ValueError(f"{source}: vision_cfg.layers={v['layers']} is a ResNet; only ViT towers convert")
-    unsupported = ("attentional_pool", "qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
-                   "scale_attn", "scale_fc", "embed_cls", "no_causal_mask", "final_ln_after_pool", "ls_init_value",
-                   "proj_bias", "act_kwargs", "norm_kwargs")
-    for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
-        bad = [k for k in unsupported if cfg.get(k)]
-        if name == "text_cfg" and cfg.get("pool_type", "argmax") != "argmax":
-            bad.append("pool_type")
-        if name == "text_cfg" and cfg.get("proj_type", "linear") != "linear":
-            bad.append("proj_type")
-        if name == "vision_cfg" and cfg.get("pos_embed_type", "learnable") != "learnable":
-            bad.append("pos_embed_type")
-        if bad:
-            raise ValueError(f"{source}: {name} uses {', '.join(bad)}, which diffmm's CLIP does not implement")
-    act = "quick_gelu" if quick_gelu else "gelu"
-    vision = VisionCfg(image_size=int(_first(v.get("image_size", 224))),
-                       patch_size=int(_first(v.get("patch_size", 16))),
-                       width=v.get("width", 768), layers=v.get("layers", 12), head_width=v.get("head_width", 64),
-                       mlp_ratio=v.get("mlp_ratio", 4.0), attn_type="standard", act=act,
-                       pre_norm=not v.get("no_ln_pre", False), patch_bias=False,
-                       pool_type=v.get("pool_type", "tok"),
-                       image_mean=_tuple_or_none(v.get("image_mean")), image_std=_tuple_or_none(v.get("image_std")))
-    text = TextCfg(context_length=t.get("context_length", 77), vocab_size=t.get("vocab_size", 49408),
-                   width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
-                   mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
-    cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=vision, text_cfg=text,
-                     init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT))
-    cfg.validate(source)
-    return cfg
+# ------------------------------------------------------------------------------------------- configs by name
+_EXTRA_CONFIGS: dict[str, Path] = {}
 
 
-def _tuple_or_none(x):
-    return tuple(x) if x is not None else None
+class UnknownModelError(ValueError):
+    """A model name that names no config (nor anything else :func:`diffmm.create_model` accepts)."""
 
 
-def _first(x):
-    """open_clip allows (H, W) sizes; diffmm's ViT is square."""
-    if isinstance(x, (list, tuple)):
-        if len(set(x)) != 1:
-            raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
-        return x[0]
-    return x
+def _config_files() -> dict[str, Path]:
+    files = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
+    files.update(_EXTRA_CONFIGS)
+    return files
+
+
+def list_models() -> list[str]:
+    """Names of the built-in (and added) model configs."""
+    return sorted(_config_files(), key=lambda n: (n.replace("-star", "").replace("-dagger", ""), n))
+
+
+def add_model_config(path: Union[str, Path]) -> None:
+    """Register a JSON config file (or every ``*.json`` in a folder) under its file stem."""
+    path = Path(path)
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"{path}: no model-config JSON file")
+    for f in files:
+        load_config_file(f)  # validate now, not at first use
+        _EXTRA_CONFIGS[f.stem] = f
+
+
+def get_model_config(name: str) -> CLIPConfig:
+    """The config of a named model (:func:`list_models`) or of a JSON file path."""
+    files = _config_files()
+    if name in files:
+        return load_config_file(files[name])
+    if name.endswith(".json") and Path(name).is_file():
+        return load_config_file(name)
+    raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(list_models())}")

@@ -1,7 +1,8 @@
 """DiffCLIP: a CLIP whose towers use differential (or any registered) attention, with open_clip's model
 interface (``encode_image``, ``encode_text``, ``logit_scale``, ``forward``, ``output_dict``).
 
-The state-dict layout is the official DiffCLIP checkpoint's (SPEC section 3): ``visual.*`` (timm-style ViT),
+The state-dict layout is the official DiffCLIP checkpoint's (DiffCLIP, arXiv 2503.06626; code: github
+hammoudhasan/DiffCLIP): ``visual.*`` (timm-style ViT),
 ``image_projection``, the text tower at top level (``token_embedding``, ``positional_embedding``,
 ``transformer.resblocks.*``, ``ln_final``, ``text_projection``) and ``logit_scale``.
 """
@@ -113,7 +114,7 @@ class DiffCLIP(nn.Module):
                 normalize: bool = False):
         """Features of both towers and the clamped logit scale.
 
-        Features are *not* normalised by default (SPEC section 3, as the official DiffCLIP; note that
+        Features are *not* normalised by default (as the official DiffCLIP model's ``forward``; note that
         open_clip's ``CLIP.forward`` normalises): contrastive losses must normalise, or pass ``normalize=True``.
         """
         img = self.encode_image(image, normalize=normalize) if image is not None else None

@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from diffmm.models.clip.blocks import TextBlock, build_attention
+from diffmm.models.clip.blocks import TextBlock
 from diffmm.models.clip.config import TextCfg, layer_attn_types
+from diffmm.nn import create_attention
 
 
 class TextTransformer(nn.Module):
@@ -24,9 +25,9 @@ class TextTransformer(nn.Module):
         self.cfg = cfg
         self.width, self.layers = cfg.width, cfg.layers
         self.resblocks = nn.ModuleList([
-            TextBlock(cfg.width, build_attention(t, cfg.width, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init,
-                                                 causal=True, qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias,
-                                                 backend=attn_backend),
+            TextBlock(cfg.width, create_attention(t, cfg.width, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init,
+                                                  causal=True, qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias,
+                                                  backend=attn_backend),
                       cfg.mlp_ratio, cfg.act, cfg.norm_eps)
             for i, t in enumerate(layer_attn_types(cfg))])
         self.grad_checkpointing = False

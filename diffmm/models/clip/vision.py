@@ -1,4 +1,4 @@
-"""The ViT image tower of (Diff)CLIP (SPEC section 3): patch embedding, CLS token, learned positions,
+"""The ViT image tower of (Diff)CLIP (the official DiffCLIP layout): patch embedding, CLS token, learned positions,
 pre-norm blocks, final LayerNorm, CLS (or mean) pooling. The projection to the joint space lives in the
 CLIP model (``image_projection``), as in the official DiffCLIP checkpoint.
 """
@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from diffmm.models.clip.blocks import VisionBlock, build_attention
+from diffmm.models.clip.blocks import VisionBlock
 from diffmm.models.clip.config import VisionCfg, layer_attn_types
+from diffmm.nn import create_attention
 
 
 class PatchEmbed(nn.Module):
@@ -55,8 +56,8 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, W))
         self.norm_pre = nn.LayerNorm(W, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.blocks = nn.ModuleList([
-            VisionBlock(W, build_attention(t, W, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init, causal=False,
-                                           qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias, backend=attn_backend),
+            VisionBlock(W, create_attention(t, W, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init, causal=False,
+                                            qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias, backend=attn_backend),
                         cfg.mlp_ratio, cfg.act, cfg.norm_eps)
             for i, t in enumerate(layer_attn_types(cfg))])
         self.norm = nn.LayerNorm(W, eps=cfg.norm_eps)
