@@ -299,8 +299,8 @@ TABLES = {
                           "DIFF/standard fwd": "fwd_ratio_vs_standard",
                           "DIFF/standard fwd+bwd": "fwdbwd_ratio_vs_standard"}},
     "diff_v2": {"rows": {"config": "config", "N": "N", "mode": "mode", "status": "status",
-                         "V1 backend": "backends.diff", "standard ms": "standard_ms", "V1 ms": "diff_ms", "V2 ms": "diff_v2_ms",
-                         "V1/std": "diff_vs_standard", "V2/std": "diff_v2_vs_standard",
+                         "V1 backend": "backends.diff", "standard ms": "standard_ms", "V1 ms": "diff_ms",
+                         "V2 ms": "diff_v2_ms", "V1/std": "diff_vs_standard", "V2/std": "diff_v2_vs_standard",
                          "FLOPs V1/std": "diff_flops_ratio", "FLOPs V2/std": "diff_v2_flops_ratio",
                          "standard MiB": "standard_mib", "V1 MiB": "diff_mib", "V2 MiB": "diff_v2_mib"}},
     "train": {"rows": {"model": "model", "attention": "attention", "backend": "backend", "status": "status",
@@ -344,11 +344,18 @@ class Recorder:
 
     def save(self) -> None:
         self.result["meta"]["wall_s"] = round(time.time() - self.result["meta"]["t0"], 1)
-        for path, text in ((self.json_path, json.dumps(self.result, indent=1, default=str)),
-                           (self.md_path, "\n".join(self.markdown()))):
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text + "\n")
-            os.replace(tmp, path)
+        self._write(self.json_path, json.dumps(self.result, indent=1, default=str))
+        try:
+            summary = "\n".join(self.markdown())
+        except Exception as e:  # noqa: BLE001  (a rendering bug must not stop the run; the JSON holds everything)
+            summary = f"(markdown rendering failed: {err_line(e)})"
+        self._write(self.md_path, summary)
+
+    @staticmethod
+    def _write(path: Path, text: str) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
 
     def markdown(self) -> list[str]:
         """The summary: run description, failed checks, then per part its status, notes, tables and skipped cases."""
