@@ -6,13 +6,12 @@ Prints one table:
 * text loader tokens/s (tokenize + pack) with 1 and 2 workers;
 * training throughput (forward + backward + AdamW step, batch as given) of the tiny CPU configs:
   DiffCLIP-Tiny / CLIP-Tiny (``diffmm.create_model``) and the ``cpu-small`` DIFF / standard LMs
-  (``diffmm.models.lm``). If those modules cannot be imported, a plain ``torch.nn`` stand-in is timed
-  instead and the row says so.
+  (``diffmm.models.lm``).
 
 Uses the demo shards under ``--data`` (``diffmm shards demo-all``) when present, otherwise writes
 synthetic shards to a temporary folder.
 
-Usage: python scripts/bench_data.py [--data data] [--samples 640] [--batch 64]
+Usage: PYTHONPATH=. python scripts/bench_data.py [--data data] [--samples 640] [--batch 64]
 """
 from __future__ import annotations
 
@@ -25,12 +24,18 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
+
+import diffmm
+from diffmm.data.image_text import image_text_loader
+from diffmm.data.text import text_loader
+from diffmm.data.tokenizers import TokenizerFile, train_byte_level_bpe
+from diffmm.data.writer import ShardWriter
+from diffmm.models.lm import DiffLM, LMConfig
 
 
 def synthetic_image_shards(directory: str, n: int = 1024) -> str:
-    from diffmm.data.writer import ShardWriter
-
     rng = np.random.default_rng(0)
     with ShardWriter(directory, "bench", maxcount=256) as w:
         for i in range(n):
@@ -41,9 +46,6 @@ def synthetic_image_shards(directory: str, n: int = 1024) -> str:
 
 
 def synthetic_text_shards(directory: str) -> tuple[str, object]:
-    from diffmm.data.tokenizers import train_byte_level_bpe
-    from diffmm.data.writer import ShardWriter
-
     words = "the of module function returns a value list python object class data".split()
     rng = np.random.default_rng(0)
     docs = [" ".join(rng.choice(words, 2000)) for _ in range(200)]
@@ -61,8 +63,6 @@ def image_pattern(data: str, tmp: str) -> tuple[str, str]:
 
 
 def bench_image_loader(pattern: str, image_size: int, workers: int, batch: int, samples: int) -> float:
-    from diffmm.data.image_text import image_text_loader
-
     loader = image_text_loader(pattern, batch, num_workers=workers, image_size=image_size, train=True,
                                resampled=True, samples_per_epoch=samples + batch * (workers + 1), rank=0, world_size=1)
     it = iter(loader)
@@ -75,8 +75,6 @@ def bench_image_loader(pattern: str, image_size: int, workers: int, batch: int, 
 
 
 def bench_text_loader(pattern: str, tokenizer, workers: int, batch: int, seq_len: int, rows: int) -> float:
-    from diffmm.data.text import text_loader
-
     loader = text_loader(pattern, batch, seq_len, num_workers=workers, tokenizer=tokenizer, resampled=True,
                          samples_per_epoch=rows + batch * (workers + 1), rank=0, world_size=1)
     it = iter(loader)
@@ -96,76 +94,42 @@ def _time_steps(step, steps: int = 5) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def bench_clip_step(name: str, batch: int) -> tuple[str, float, int]:
-    """(label, seconds per step, image size) for forward+backward+AdamW of a tiny CLIP."""
-    import torch.nn.functional as F
-
-    try:
-        import diffmm
-
-        model = diffmm.create_model(name)
-        size = model.visual.image_size if hasattr(model.visual, "image_size") else 64
-        size = size[0] if isinstance(size, (tuple, list)) else int(size)
-        ctx = getattr(model, "context_length", 32)
-        label = f"train step {name} ({size} px)"
-
-        def forward(images, text):
-            return model.encode_image(images, normalize=True), model.encode_text(text, normalize=True)
-    except Exception as e:  # the model package is not there (yet): a labelled stand-in
-        size, ctx = 64, 32
-        label = f"train step STAND-IN torch.nn conv+embedding model, not {name} ({type(e).__name__})"
-        vis = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 8, 8), torch.nn.Flatten(), torch.nn.Linear(64 * 64, 128))
-        txt = torch.nn.EmbeddingBag(49408, 128)
-        model = torch.nn.ModuleList([vis, txt])
-
-        def forward(images, text):
-            return F.normalize(vis(images), dim=-1), F.normalize(txt(text), dim=-1)
+def bench_clip_step(name: str, batch: int) -> tuple[str, float]:
+    """(label, seconds per step) of forward + backward + AdamW of a tiny CLIP on random images and captions."""
+    model = diffmm.create_model(name)
+    v, t = model.config.vision_cfg, model.config.text_cfg
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    images = torch.randn(batch, 3, size, size)
-    text = torch.randint(1, 49407, (batch, ctx))
+    images = torch.randn(batch, 3, v.image_size, v.image_size)
+    text = torch.randint(1, t.vocab_size - 1, (batch, t.context_length))
+    labels = torch.arange(batch)
 
     def step():
-        a, b = forward(images, text)
-        logits = 100 * a @ b.t()
-        labels = torch.arange(batch)
+        img, txt = model.encode_image(images, normalize=True), model.encode_text(text, normalize=True)
+        logits = 100 * img @ txt.t()
         loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
         opt.zero_grad()
         loss.backward()
         opt.step()
 
-    return label, _time_steps(step), size
+    return f"train step {name} ({v.image_size} px)", _time_steps(step)
 
 
-def bench_lm_step(attention: str, batch: int, seq_len: int) -> tuple[str, float]:
-    try:
-        from diffmm.models.lm import DiffLM, LMConfig
-
-        preset = {"diff": "diff-cpu-small", "standard": "transformer-cpu-small"}[attention]
-        cfg = LMConfig.from_name(preset)
-        model, vocab, seq_len = DiffLM(cfg), cfg.vocab_size, min(seq_len, cfg.block_size)
-        label = f"train step LM {preset} (seq {seq_len})"
-
-        def loss_fn(x, y):
-            out = model(x, y)
-            return out[1] if isinstance(out, tuple) else out.loss
-    except Exception as e:
-        vocab = 4096
-        label = f"train step STAND-IN torch.nn embedding+linear LM, not cpu-small {attention} ({type(e).__name__})"
-        model = torch.nn.Sequential(torch.nn.Embedding(vocab, 192), torch.nn.Linear(192, vocab))
-
-        def loss_fn(x, y):
-            return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+def bench_lm_step(attention: str, batch: int, seq_len: int) -> tuple[str, float, int]:
+    """(label, seconds per step, sequence length) of forward + backward + AdamW of a ``cpu-small`` LM."""
+    preset = {"diff": "diff-cpu-small", "standard": "transformer-cpu-small"}[attention]
+    cfg = LMConfig.from_name(preset)
+    model, seq_len = DiffLM(cfg), min(seq_len, cfg.block_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, vocab, (batch, seq_len))
-    y = torch.randint(0, vocab, (batch, seq_len))
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    y = torch.randint(0, cfg.vocab_size, (batch, seq_len))
 
     def step():
-        loss = loss_fn(x, y)
+        loss = model(x, y)[1]
         opt.zero_grad()
         loss.backward()
         opt.step()
 
-    return label, _time_steps(step), seq_len
+    return f"train step LM {preset} (seq {seq_len})", _time_steps(step), seq_len
 
 
 def main() -> None:
@@ -188,8 +152,6 @@ def main() -> None:
         text_shards = sorted(glob.glob(os.path.join(args.data, "python-docs", "train", "*.tar")))
         tok_path = os.path.join(args.data, "python-docs", "tokenizer.json")
         if text_shards and os.path.exists(tok_path):
-            from diffmm.data.tokenizers import TokenizerFile
-
             tpattern, tok, tsource = "::".join(text_shards), TokenizerFile(tok_path), "demo python-docs + its BPE"
         else:
             (tpattern, tok), tsource = synthetic_text_shards(os.path.join(tmp, "text")), "synthetic text + BPE"
@@ -197,7 +159,7 @@ def main() -> None:
             tps = bench_text_loader(tpattern, tok, workers, args.text_batch, args.seq_len, args.text_rows)
             rows.append((f"text loader seq {args.seq_len}, {workers} worker(s)", f"{tps:,.0f} tokens/s", tsource))
     for name in ("DiffCLIP-Tiny", "CLIP-Tiny"):
-        label, sec, size = bench_clip_step(name, args.batch)
+        label, sec = bench_clip_step(name, args.batch)
         rows.append((label, f"{args.batch / sec:,.0f} samples/s", f"batch {args.batch}, {sec * 1000:.0f} ms/step"))
     for attention in ("diff", "standard"):
         label, sec, seq = bench_lm_step(attention, args.text_batch, args.seq_len)

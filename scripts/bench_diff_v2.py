@@ -14,8 +14,8 @@ measured ratio should be compared with: V2 runs twice the query maps, so its att
 Peak memory: on CUDA ``max_memory_allocated`` above the inputs; on CPU the rise of the process's peak
 RSS (VmHWM, reset through /proc/self/clear_refs) during one call, measured in a fresh subprocess per cell.
 
-    python scripts/bench_diff_v2.py                                  # CPU fp32, N in {1024, 4096}
-    python scripts/bench_diff_v2.py --device cuda --dtype bf16       # GPU rows
+    PYTHONPATH=. python scripts/bench_diff_v2.py                     # CPU fp32, N in {1024, 4096}
+    PYTHONPATH=. python scripts/bench_diff_v2.py --device cuda --dtype bf16   # GPU rows
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def make_step(m, mode: str, N: int, a, device, dtype):
 
 
 def forward_flops(attn_type: str, mode: str, N: int, a) -> float:
-    """Matmul FLOPs of one forward (causal); ``diff`` counted as a fused kernel would run it (SPEC section 4).
+    """Matmul FLOPs of one forward (causal); ``diff`` counted as the fused kernel runs it (docs/kernels.md, section 3).
 
     fwd+bwd costs about 3x the forward for every type, so the ratios of the forward apply to it too.
     """

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import diffmm  # noqa: E402
-from diffmm.hub.difflama import save_difflama  # noqa: E402
-from diffmm.models.lm import DiffLM, LMConfig  # noqa: E402
+import diffmm
+from diffmm.hub.difflama import save_difflama
+from diffmm.models.lm import DiffLM, LMConfig
 
 DIFF = "diffmm DIFF LM"
 HF_DIFF = "HF DiffLlama"
@@ -99,11 +96,15 @@ class Runner:
         return float(loss.detach())
 
 
+def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one training batch every model sees: inputs and next-token targets, (batch, seq) each."""
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
 def run(args) -> dict:
     runners = _runners(args)
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    x, y = batch(args)
     params = {r.name: sum(p.numel() for p in r.model.parameters()) for r in runners}
     warm = {}
     for r in runners:  # warm-up (and compile)
@@ -154,9 +155,7 @@ def profile(args) -> int:
     from torch.profiler import profile as torch_profile
 
     runners = _runners(args)
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    x, y = batch(args)
     for r in runners:
         for _ in range(max(1, args.warmup)):
             r.step(x, y)

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -29,9 +28,7 @@ import torch
 import torch.nn.functional as F
 from open_clip.model import CLIP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import diffmm  # noqa: E402
+import diffmm
 
 SIZES = {
     # name: (diffmm configs, open_clip config of equal size, batch)

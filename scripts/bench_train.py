@@ -1,7 +1,7 @@
 """Training-step throughput: diffmm's Lightning modules vs a plain PyTorch loop vs open_clip's training step.
 
-    python scripts/bench_train.py                    # CLIP-Tiny / DiffCLIP-Tiny on emoji shards + a tiny DIFF LM
-    python scripts/bench_train.py --steps 30 --repeats 3 --json bench_train.json
+    PYTHONPATH=. python scripts/bench_train.py       # CLIP-Tiny / DiffCLIP-Tiny on emoji shards + a tiny DIFF LM
+    PYTHONPATH=. python scripts/bench_train.py --steps 30 --repeats 3 --json bench_train.json
 
 Every contender trains the same model (same init) on the same batches, cached in memory so the
 data loader is out of the picture (``scripts/bench_data.py`` measures it). Time is measured the
@@ -33,10 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from diffmm.train.losses import ContrastiveLoss, next_token_loss  # noqa: E402
-from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler  # noqa: E402
+from diffmm.train.losses import ContrastiveLoss, next_token_loss
+from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler
 
 
 class TimedBatches:

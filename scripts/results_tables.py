@@ -9,7 +9,6 @@ Each generated section of a doc sits between two markers and is rewritten from i
 | section | doc | source |
 |---|---|---|
 | ``demo-run``, ``demo-clip``, ``demo-lm`` | docs/results.md | ``results/demo/results.json`` (``diffmm demo``) |
-| ``tiny-lm-lr3e-3``, ``tiny-lm-lr1e-3`` | docs/diff_v2.md | ``results/tiny_lm/*.json`` (``scripts/compare_lm_variants.py``) |
 
     python scripts/results_tables.py                       # rewrite the generated sections
     python scripts/results_tables.py --check               # exit 1 and name the stale sections
@@ -28,18 +27,16 @@ import math
 import os
 import re
 import shutil
-import statistics
 import sys
 from typing import Callable, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (REPO, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from diffmm.demo.config import PRESETS
+from diffmm.demo.report import _comparison_table, clip_chance
+from diffmm.demo.summary import CLIP_METRICS, LM_METRICS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEMO_DIR = os.path.join("results", "demo")
-TINY_LM_DIR = os.path.join("results", "tiny_lm")
 SCRIPT = "scripts/results_tables.py"
 
 
@@ -55,8 +52,6 @@ def _load_demo(root: str) -> dict:
 
 def demo_preset(cfg: dict) -> str:
     """'full' or 'quick' when ``cfg`` is that preset (paths, threads and workers aside), else 'custom'."""
-    from diffmm.demo.config import PRESETS
-
     ignore = {"out", "data", "threads", "num_workers", "install"}
 
     def norm(d: dict) -> str:
@@ -108,9 +103,6 @@ def demo_run(root: str) -> str:
 
 
 def demo_clip(root: str) -> str:
-    from diffmm.demo.report import _comparison_table, clip_chance
-    from diffmm.demo.summary import CLIP_METRICS
-
     r = _load_demo(root)
     if not r.get("clip"):
         return "*(no image-text part in this run)*\n"
@@ -120,57 +112,10 @@ def demo_clip(root: str) -> str:
 
 
 def demo_lm(root: str) -> str:
-    from diffmm.demo.report import _comparison_table
-    from diffmm.demo.summary import LM_METRICS
-
     r = _load_demo(root)
     if not r.get("lm"):
         return "*(no language part in this run)*\n"
     return _comparison_table(r["lm"], LM_METRICS, {})
-
-
-# -------------------------------------------------------------------------------------------- tiny LM
-VNAME = {"standard": "standard", "diff": "diff (V1)", "diff_v2": "diff_v2"}
-
-
-def _tiny_lm(root: str, name: str) -> str:
-    from compare_lm_variants import VARIANTS
-
-    path = os.path.join(root, TINY_LM_DIR, name + ".json")
-    if not os.path.isfile(path):
-        rel = os.path.relpath(path, root)
-        raise SystemExit(f"{rel}: not found; run `python scripts/compare_lm_variants.py ... --json {rel}`")
-    with open(path) as f:
-        d = json.load(f)
-    a, res = d["args"], d["results"]
-    keys = [("val_loss", "val loss", 4), ("spikes", "spikes", 1), ("max_grad_norm", "max grad norm", 2),
-            ("top_attn_logit", "top-1 attn logit", 2), ("top_hidden", "top-1 hidden", 2), ("seconds", "seconds", 0)]
-    seeds = sorted({r["seed"] for r in res})
-    lines = [f"lr {a['lr']:g}, {a['steps']} steps, seeds {', '.join(map(str, seeds))} (mean ± std; `{path[len(root) + 1:]}`; "
-             "\"seconds\" are wall times on a shared machine, not a speed measure):", "",
-             "| attention | non-emb params | " + " | ".join(k[1] for k in keys) + " |",
-             "|---|---:|" + "---:|" * len(keys)]
-    by_v = {v: sorted((r for r in res if r["variant"] == v), key=lambda r: r["seed"]) for v in VARIANTS}
-    for v, rs in by_v.items():
-        if not rs:
-            continue
-        cells = []
-        for k, _, dg in keys:
-            vals = [float(r[k]) for r in rs]
-            sd = statistics.stdev(vals) if len(vals) > 1 else None
-            cells.append(f"{statistics.fmean(vals):.{dg}f}" + (f" ± {sd:.{dg}f}" if sd is not None else ""))
-        lines.append(f"| {VNAME[v]} | {rs[0]['params']:,} | " + " | ".join(cells) + " |")
-    base = {r["seed"]: r for r in by_v.get("standard", [])}
-    paired = []
-    for v in ("diff_v2", "diff"):
-        ds = [(r["seed"], r["val_loss"] - base[r["seed"]]["val_loss"]) for r in by_v.get(v, []) if r["seed"] in base]
-        if ds:
-            name = {"diff": "V1", "diff_v2": "V2"}[v]
-            paired.append(f"{name} {', '.join(f'{x:+.3f}' for _, x in ds)} (mean {statistics.fmean(x for _, x in ds):+.3f})")
-    spikes = "; ".join(f"{VNAME[v]} {' / '.join(str(r['spikes']) for r in rs)}" for v, rs in by_v.items() if rs)
-    lines += ["", "Paired per seed (val loss minus standard's, seeds " + ", ".join(map(str, sorted(base))) + "): "
-              + "; ".join(paired) + ". Spikes per seed: " + spikes + "."]
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------- machinery
@@ -178,8 +123,6 @@ SECTIONS: dict[str, tuple[str, str, Callable[[str], str]]] = {
     "demo-run": ("docs/results.md", "results/demo/results.json", demo_run),
     "demo-clip": ("docs/results.md", "results/demo/results.json", demo_clip),
     "demo-lm": ("docs/results.md", "results/demo/results.json", demo_lm),
-    "tiny-lm-lr3e-3": ("docs/diff_v2.md", "results/tiny_lm/lr3e-3.json", lambda root: _tiny_lm(root, "lr3e-3")),
-    "tiny-lm-lr1e-3": ("docs/diff_v2.md", "results/tiny_lm/lr1e-3.json", lambda root: _tiny_lm(root, "lr1e-3")),
 }
 
 

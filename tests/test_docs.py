@@ -6,7 +6,7 @@
   every option without building anything); inline ``diffmm ...`` spans, often fragments, may omit required
   arguments but every option they name must exist and take the value they give.
 - Every ``python scripts/X.py ...`` command names an existing script and only options that script defines.
-- The generated tables in docs/results.md and docs/diff_v2.md equal ``scripts/results_tables.py``'s output.
+- The generated tables in docs/results.md equal ``scripts/results_tables.py``'s output.
 - No tracked file outside tests/ names a path of the machine it was made on.
 
 A block is steered by an HTML comment on the line just above its fence (words may be combined):
@@ -17,7 +17,8 @@ A block is steered by an HTML comment on the line just above its fence (words ma
     <!-- docs-test: cuda -->              needs a CUDA GPU (skipped without one)
     <!-- docs-test: slow -->              marked slow (deselected by default)
 
-and a shell line by a trailing ``# docs-test: skip (reason)`` comment.
+and a shell line (a ``diffmm`` or ``python scripts/X.py`` command) by a trailing ``# docs-test: skip (reason)``
+comment, e.g. the command of a removed study script that runs at an older commit.
 """
 from __future__ import annotations
 
@@ -292,7 +293,9 @@ def _script_commands() -> list[tuple[str, str, list[str]]]:
     for doc in DOCS:
         with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
             text = f.read().replace("\\\n", " ")
-        for m in re.finditer(r"python\s+(scripts/[\w./-]+\.py)([^\n`#]*)", text):
+        for m in re.finditer(r"python\s+(scripts/[\w./-]+\.py)([^\n`#]*)(#[^\n]*)?", text):
+            if m.group(3) and re.search(r"docs-test:\s*skip", m.group(3)):
+                continue
             line = text.count("\n", 0, m.start()) + 1
             out.append((f"{doc}:{line}", m.group(1), re.findall(r"(?<!\S)(--[\w-]+)", m.group(2))))
     return out

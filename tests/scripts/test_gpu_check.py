@@ -5,6 +5,7 @@ import system refuses open_clip, webdataset, jsonargparse and Lightning (the GPU
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,9 +18,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import gpu_check  # noqa: E402  (stdlib-only at import time)
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
 
 BLOCKED = ("open_clip", "webdataset", "jsonargparse", "lightning", "pytorch_lightning", "lightning_fabric")
 BOOT = """
@@ -59,16 +60,16 @@ def run_script(args: list[str], tmp_path: Path, prelude: str = "", timeout: int 
 
 
 def test_model_pieces_import_without_optional_packages():
-    """diffmm.ops / nn / models.lm / the DiffCLIP classes build and run with the training stack missing."""
+    """What gpu_check.py imports (diffmm.ops / nn / models.lm / the DiffCLIP classes) runs with the training stack
+    missing."""
     code = BOOT.split("%s")[0] % (BLOCKED,) + """
 import torch
 import diffmm.ops, diffmm.nn
 from diffmm.models.lm import DiffLM, LMConfig
-from diffmm.hub.factory import create_model
-from diffmm.models.clip import DiffCLIP, get_model_config
-from diffmm.train.losses import ContrastiveLoss
-from diffmm.train.optim import build_adamw, param_groups
-m = create_model("DiffCLIP-Tiny", vision_cfg=dict(layers=1), text_cfg=dict(layers=1))
+from diffmm.models.clip.config import load_config_file
+from diffmm.models.clip.model import DiffCLIP
+cfg = load_config_file("diffmm/model_configs/DiffCLIP-Tiny.json")
+m = DiffCLIP(cfg.replace(vision_cfg=dict(layers=1), text_cfg=dict(layers=1)))
 img, txt, scale = m(torch.randn(1, 3, 64, 64), torch.randint(0, 100, (1, 32)))
 lm = DiffLM(LMConfig.from_name("diff-tiny"))
 assert lm(torch.randint(0, 256, (1, 8))).shape == (1, 8, 256)
@@ -77,7 +78,7 @@ assert not bad, bad
 print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, cwd=str(ROOT))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 
 
@@ -92,10 +93,10 @@ def test_dry_run_runs_every_part(tmp_path):
     assert all(p["status"] == "ok" for p in parts.values()), {k: (p["status"], p.get("reason")) for k, p in parts.items()}
 
     corr = parts["correctness"]
-    assert len(corr["cases"]) == 2 * 5 and all(r["status"] == "pass" for r in corr["cases"])
-    assert {r["dtype"] for r in corr["cases"]} == {"fp16", "fp32"}
+    assert len(corr["rows"]) == 2 * 5 and all(r["status"] == "pass" for r in corr["rows"])
+    assert {r["dtype"] for r in corr["rows"]} == {"fp16", "fp32"}
     assert any(s["what"] == "bf16" and "interpreter" in s["reason"] for s in corr["skipped"])
-    errs = corr["cases"][0]["errs"]
+    errs = corr["rows"][0]["errs"]
     assert set(errs) == {"y", "dq", "dk", "dv", "dlam", "dnorm_weight"} and 0 < errs["dq"] < 1e-2
 
     speed = parts["speed"]
@@ -128,7 +129,7 @@ def test_wrong_kernel_fails_with_exit_code_1(tmp_path):
     """A kernel off by 0.1 % fails every fp32 case (tolerance 2e-5) and the run exits 1, naming the cases."""
     code, log, result, md = run_script(["--dry-run", "--parts", "1"], tmp_path, prelude=SABOTAGE)
     assert code == 1, log[-3000:]
-    rows = result["parts"]["correctness"]["cases"]
+    rows = result["parts"]["correctness"]["rows"]
     assert all(r["status"] == "FAIL" for r in rows if r["dtype"] == "fp32")
     assert all(r["status"] == "pass" for r in rows if r["dtype"] == "fp16")  # 1e-3 < fp16 tolerance 1e-2
     assert len(result["failures"]) == 5 and all("fp32" in f for f in result["failures"])
@@ -161,7 +162,7 @@ def test_cli_errors_are_one_line():
     assert gpu_check.parse_parts(None) == list(gpu_check.PARTS)
     with pytest.raises(ValueError, match="unknown part '7'"):
         gpu_check.parse_parts("7")
-    assert gpu_check._command(["--out", "/some/where", "--parts", "1"]) == \
+    assert gpu_check.command_line(["--out", "/some/where", "--parts", "1"]) == \
         "python scripts/gpu_check.py --out DIR --parts 1"
     if not torch.cuda.is_available():
         res = subprocess.run([sys.executable, str(SCRIPT), "--parts", "1"], capture_output=True, text=True,
@@ -171,14 +172,13 @@ def test_cli_errors_are_one_line():
 
 def test_tolerances_match_the_kernel_tests():
     """Part 1 uses the CPU tests' tolerances (fp32, fp16); compare() flags errors and non-finite values."""
-    import gpu_check_correctness as C
-
+    C = gpu_check
     src = (ROOT / "tests" / "ops" / "test_triton_diff.py").read_text()
     m = re.search(r"TOL = \{torch\.float32: ([0-9.e-]+), torch\.float16: ([0-9.e-]+)\}", src)
     assert m, "TOL not found in tests/ops/test_triton_diff.py"
     assert C.TOL[torch.float32] == float(m.group(1)) and C.TOL[torch.float16] == float(m.group(2))
 
-    want = [torch.ones(3, 4) for _ in C.NAMES]
+    want = [torch.ones(3, 4) for _ in C.GRAD_NAMES]
     assert C.compare([w.clone() for w in want], want, 1e-5)[0]
     got = [w.clone() for w in want]
     got[2][0, 0] += 2e-3
@@ -189,11 +189,9 @@ def test_tolerances_match_the_kernel_tests():
 
 
 def test_empty_rows_are_found():
-    import gpu_check_correctness as C
-
-    c = C.Case("x", 2, 5, 3, 1, 1, 32, True, True)
+    c = gpu_check.Case("x", 2, 5, 3, 1, 1, 32, True, True)
     km = torch.tensor([[True, True, True], [False, False, False]])
-    rows = C.empty_row_mask(c, km, "cpu")
+    rows = gpu_check.empty_row_mask(c, km, "cpu")
     # causal, S < N: query i sees keys j <= i - 2, so rows 0, 1 see nothing; sequence 1 is fully padded
     assert rows.tolist() == [[True, True, False, False, False], [True] * 5]
 
@@ -201,11 +199,9 @@ def test_empty_rows_are_found():
 def test_out_of_time_records_what_is_left_and_stops_the_loop():
     import time
 
-    from gpu_check_lib import Ctx
-
     now = time.time()
     part = {"skipped": []}
-    ctx = Ctx(device=torch.device("cpu"), dry=True, t0=now, deadline=now + 60, rec=None)
+    ctx = gpu_check.Ctx(device=torch.device("cpu"), dry=True, t0=now, deadline=now + 60, rec=None)
     assert not ctx.out_of_time(part, "case A", 3, "cases") and part["skipped"] == []
     ctx.part_deadline = now - 1  # the part's budget is spent: the loop stops, the rest is recorded once
     assert ctx.out_of_time(part, "case B", 2, "cases")

@@ -13,8 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture
-def rt(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+def rt():
     spec = importlib.util.spec_from_file_location("results_tables", os.path.join(ROOT, "scripts", "results_tables.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -37,30 +36,31 @@ def test_committed_docs_are_current(rt, tree):
 
 
 def test_a_changed_number_is_stale_and_rewritten(rt, tree, capsys):
-    path = os.path.join(tree, "docs", "diff_v2.md")
+    path = os.path.join(tree, "docs", "results.md")
     with open(path) as f:
         text = f.read()
-    begin = text.index("<!-- BEGIN GENERATED tiny-lm-lr3e-3")
-    row = text.index("| standard |", begin)
-    tampered = text[:row] + text[row:].replace("| standard |", "| standard (edited) |", 1)
+    begin = text.index("<!-- BEGIN GENERATED demo-lm")
+    row = text.index("| final train loss", begin)
+    tampered = text[:row] + text[row:].replace("| final train loss", "| final train loss (edited)", 1)
     with open(path, "w") as f:
         f.write(tampered)
-    assert rt.check(tree) == ["docs/diff_v2.md: tiny-lm-lr3e-3"]
+    assert rt.check(tree) == ["docs/results.md: demo-lm"]
     assert rt.main(["--check", "--root", tree]) == 1
     assert rt.main(["--root", tree]) == 0
     with open(path) as f:
         assert f.read() == text
-    assert "updated docs/diff_v2.md" in capsys.readouterr().out
+    assert "updated docs/results.md" in capsys.readouterr().out
 
 
 def test_changed_results_change_the_tables(rt, tree):
-    path = os.path.join(tree, "results", "tiny_lm", "lr1e-3.json")
+    path = os.path.join(tree, "results", "demo", "results.json")
     with open(path) as f:
-        d = json.load(f)
-    d["results"][0]["val_loss"] += 1.0
+        r = json.load(f)
+    baseline = r["clip"]["models"]["baseline"]
+    r["clip"]["summary"][baseline]["train_loss"]["mean"] += 1.0
     with open(path, "w") as f:
-        json.dump(d, f)
-    assert rt.check(tree) == ["docs/diff_v2.md: tiny-lm-lr1e-3"]
+        json.dump(r, f)
+    assert rt.check(tree) == ["docs/results.md: demo-clip"]
 
 
 def test_missing_markers_are_reported(rt, tree):
