@@ -21,14 +21,18 @@ import json
 import logging
 import os
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from diffmm.data.urls import SIZES_FILE, is_local, local_path, open_shard
+from tqdm import tqdm
+
+from diffmm.data.files import write_json_atomic
+from diffmm.data.tar_reader import RecordingTarInfo, sample_members
+from diffmm.data.urls import is_local, local_path, open_shard
 
 log = logging.getLogger("diffmm.data")
 
+SIZES_FILE = "sizes.json"
 CACHE_FILE = ".diffmm-counts.json"
 STATS_SUFFIX = "_stats.json"
 _COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
@@ -78,21 +82,6 @@ def cache_path(directory: str) -> str:
     return os.path.join(root, "diffmm", "shard-counts", f"{digest}.json")
 
 
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write ``data`` as JSON through a temporary file and a rename (readers never see half a file)."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _is_compressed(path: str) -> bool:
     with open(path, "rb") as f:
         head = f.read(6)
@@ -111,8 +100,6 @@ def inspect_shard(url: str) -> tuple[int, Optional[str]]:
     are streamed. A damaged shard counts the samples the reader delivers before the damage; an
     unreadable one counts 0.
     """
-    from diffmm.data.tar_reader import RecordingTarInfo, sample_members
-
     path = local_path(url)
     try:
         seekable = is_local(url) and not _is_compressed(path)
@@ -222,8 +209,6 @@ def _stat(url: str) -> os.stat_result:
 
 def _count_and_cache(to_count: list[tuple[str, str, str]], out: dict[str, ShardCount], progress: bool,
                      on_count: Optional[Callable[[str], None]]) -> None:
-    from tqdm import tqdm
-
     new: dict[str, dict[str, dict]] = {}
     for url, directory, name in tqdm(to_count, desc="counting samples", unit="shard",
                                      disable=not progress or len(to_count) < 2):
@@ -240,7 +225,7 @@ def _count_and_cache(to_count: list[tuple[str, str, str]], out: dict[str, ShardC
         cache = _read_json(path) or {}
         cache.update(entries)
         try:
-            write_json_atomic(path, cache)
+            write_json_atomic(path, cache, sort_keys=True)
         except OSError as e:  # a read-only cache is not an error: the count is used, just not kept
             log.warning("could not cache shard counts in %s (%s)", path, e)
             continue
@@ -256,8 +241,6 @@ def total_samples(urls: Sequence[str]) -> int:
 def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[str, int]]:
     """Count every shard (ignoring existing ``sizes.json`` entries) and merge the counts into the
     ``sizes.json`` of each shard's folder; returns ``{sizes.json path: {name: samples}}``."""
-    from tqdm import tqdm
-
     urls = list(urls)
     written: dict[str, dict[str, int]] = {}
     for url in tqdm(urls, desc="indexing", unit="shard", disable=not progress or len(urls) < 2):
@@ -272,5 +255,5 @@ def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[st
     for path, counts in written.items():
         data = _read_json(path) or {}
         data.update(counts)
-        write_json_atomic(path, data)
+        write_json_atomic(path, data, sort_keys=True)
     return written

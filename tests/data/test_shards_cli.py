@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from diffmm.data.image_text import image_label_loader, image_text_loader
-from diffmm.data.shards_cli import main, parse_size
+from diffmm.data.shard_tools import image_field, parse_size
+from diffmm.shards_cli import main
 
 
 def make_images(folder, n):
@@ -93,6 +94,9 @@ def test_from_text_with_trained_tokenizer(tmp_path, capsys):
 
 def test_parse_size():
     assert parse_size("4096") == 4096 and parse_size("500MB") == 500 << 20 and parse_size("1GiB") == 1 << 30
+    assert parse_size(123) == 123
+    with pytest.raises(ValueError, match="bad size '5 apples'"):
+        parse_size("5 apples")
 
 
 # ----- a rerun never loses the old shards; bad input is found before anything is replaced ----------
@@ -162,8 +166,6 @@ def test_prefix_cannot_leave_the_output_folder(tmp_path, capsys):
 
 
 def test_images_are_stored_by_their_real_format(tmp_path):
-    from diffmm.data.shard_sources import image_field
-
     Image.new("RGB", (4, 4)).save(tmp_path / "png_named.jpg", "PNG")
     Image.new("RGB", (4, 4)).save(tmp_path / "pic.bmp")
     assert image_field(str(tmp_path / "png_named.jpg"))[0] == "png"
