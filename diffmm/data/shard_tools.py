@@ -128,6 +128,14 @@ def _pick_column(rows: list[dict], wanted: Optional[str], candidates: Sequence[s
     raise KeyError(f"{path}: no {what} column (looked for {list(candidates)}); columns are {columns}; pass it explicitly")
 
 
+def _skip_or_raise(writer: ShardWriter, skip: bool, reason: str, detail: str, error: Exception) -> None:
+    """Count a bad input row in ``writer.skipped`` when skipping, else raise ``error`` (the writer then keeps the
+    old shards)."""
+    if not skip:
+        raise error from None
+    writer.skipped.add(reason, detail)
+
+
 def _report(writer: ShardWriter, what: str, extra: str = "") -> None:
     skipped = f"; {writer.skipped}" if writer.skipped.total else ""
     print(f"wrote {writer.total} {what} in {len(writer.shards)} shards: {writer.pattern}{extra}{skipped}")
@@ -174,24 +182,20 @@ def write_shards_from_captions(image_dir: str, captions: str, out: str, *, image
             where = f"{captions} row {i + 1}"
             path = os.path.join(image_dir, str(row[icol]))
             if not os.path.isfile(path):
-                if skip_missing or skip_bad:
-                    writer.skipped.add("missing image", f"{where}: {path}")
-                    continue
-                raise FileNotFoundError(f"{where}: image {path} not found (use --skip-missing or --skip-bad to skip; "
-                                        "the old shards are kept)")
+                _skip_or_raise(writer, skip_missing or skip_bad, "missing image", f"{where}: {path}", FileNotFoundError(
+                    f"{where}: image {path} not found (use --skip-missing or --skip-bad to skip; the old shards are kept)"))
+                continue
             caption = row[ccol]
             if caption is None or not str(caption).strip():
-                if skip_bad:
-                    writer.skipped.add("empty caption", where)
-                    continue
-                raise ValueError(f"{where}: empty {ccol!r} (use --skip-bad to skip; the old shards are kept)")
+                _skip_or_raise(writer, skip_bad, "empty caption", where,
+                               ValueError(f"{where}: empty {ccol!r} (use --skip-bad to skip; the old shards are kept)"))
+                continue
             try:
                 field, data = image_field(path, max_image_pixels)
             except BadImage as e:
-                if skip_bad:
-                    writer.skipped.add("bad image", f"{where}: {e}")
-                    continue
-                raise BadImage(f"{where}: {e} (use --skip-bad to skip; the old shards are kept)") from None
+                _skip_or_raise(writer, skip_bad, "bad image", f"{where}: {e}",
+                               BadImage(f"{where}: {e} (use --skip-bad to skip; the old shards are kept)"))
+                continue
             meta = {k: v for k, v in row.items() if k not in (icol, ccol)}
             meta.update(source=str(row[icol]), caption=str(caption))
             writer.write(f"{i:09d}", {field: data, "txt": str(caption), "json": json.dumps(meta, default=str)})
@@ -251,10 +255,9 @@ def write_shards_from_folders(root: str, out: str, *, template: str = "a photo o
             try:
                 field, data = image_field(path, max_image_pixels)
             except BadImage as e:
-                if skip_bad:
-                    writer.skipped.add("bad image", str(e))
-                    continue
-                raise BadImage(f"{e} (use --skip-bad to skip; the old shards are kept)") from None
+                _skip_or_raise(writer, skip_bad, "bad image", str(e),
+                               BadImage(f"{e} (use --skip-bad to skip; the old shards are kept)"))
+                continue
             key = sanitize_key(f"{cls}_{os.path.splitext(os.path.basename(path))[0]}")
             meta = {"label": label, "class": names[label], "source": os.path.relpath(path, root)}
             writer.write(key, {field: data, "cls": str(label), "txt": class_caption(cls, template),
