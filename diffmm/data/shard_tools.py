@@ -205,11 +205,6 @@ def write_shards_from_captions(image_dir: str, captions: str, out: str, *, image
     return writer
 
 
-def class_caption(name: str, template: str = "a photo of a {}.") -> str:
-    """Caption for a class folder name (underscores and dashes become spaces)."""
-    return template.format(name.replace("_", " ").replace("-", " "))
-
-
 def write_shards_from_folders(root: str, out: str, *, template: str = "a photo of a {}.", shuffle: bool = True,
                               seed: int = 0, skip_bad: bool = False, max_image_pixels: Optional[int] = None,
                               prefix: str = "shard", maxcount: int = 10000, maxsize: int | str = "1GB",
@@ -249,7 +244,7 @@ def write_shards_from_folders(root: str, out: str, *, template: str = "a photo o
         raise ValueError(f"{root}: no images ({', '.join(IMAGE_EXTS)}) in the class subfolders")
     if shuffle:
         random.Random(seed).shuffle(items)
-    names = [c.replace("_", " ").replace("-", " ") for c in classes]
+    names = [c.replace("_", " ").replace("-", " ") for c in classes]   # class names: folder names, words spaced
     with ShardWriter(out, prefix, maxcount, parse_size(maxsize)) as writer:
         for label, cls, path in tqdm(items, desc=f"from-folders {prefix}", unit="img", disable=not progress):
             try:
@@ -260,7 +255,7 @@ def write_shards_from_folders(root: str, out: str, *, template: str = "a photo o
                 continue
             key = sanitize_key(f"{cls}_{os.path.splitext(os.path.basename(path))[0]}")
             meta = {"label": label, "class": names[label], "source": os.path.relpath(path, root)}
-            writer.write(key, {field: data, "cls": str(label), "txt": class_caption(cls, template),
+            writer.write(key, {field: data, "cls": str(label), "txt": template.format(names[label]),
                                "json": json.dumps(meta)})
         if writer.total == 0:
             raise ValueError(f"{root}: no usable image ({writer.skipped}); the old shards are kept")

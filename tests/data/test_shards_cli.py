@@ -230,3 +230,19 @@ def test_index_writes_sizes_json(tmp_path, capsys):
     assert json.load(open(tmp_path / "a" / "sizes.json")) == {"s-000000.tar": 4, "s-000001.tar": 4, "s-000002.tar": 2}
     assert json.load(open(tmp_path / "b" / "sizes.json")) == {"s-000000.tar": 4, "s-000001.tar": 4}
     assert "10 samples in 3 shards" in capsys.readouterr().out
+
+
+def test_the_tools_are_plain_functions(tmp_path, capsys):
+    """What each subcommand runs, called from Python: typed arguments, a printed report, a return value."""
+    from diffmm.data.shard_tools import check_shards, index_shards, write_shards_from_folders
+
+    for cls in ("cat", "dog"):
+        make_images(tmp_path / "root" / cls, 3)
+    w = write_shards_from_folders(str(tmp_path / "root"), str(tmp_path / "out"), maxcount=4, maxsize="1MB",
+                                  progress=False)
+    assert (w.total, len(w.shards), w.skipped.total) == (6, 2, 0)
+    assert "wrote 6 samples in 2 shards" in capsys.readouterr().out
+    assert check_shards([str(tmp_path / "out" / "*.tar")], max_member_bytes="1MB") is True
+    (tmp_path / "out" / "sizes.json").unlink()
+    written = index_shards([str(tmp_path / "out" / "*.tar")])
+    assert written == {str(tmp_path / "out" / "sizes.json"): {"shard-000000.tar": 4, "shard-000001.tar": 2}}
