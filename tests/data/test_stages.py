@@ -24,7 +24,12 @@ def caption_id(sample: dict) -> int:
     return int(sample["txt"])
 
 
-# stages at module level, so that spawned DataLoader workers can unpickle them
+# stages (and the tokenizer) at module level, so that spawned DataLoader workers can unpickle them
+def id_tokenizer(texts: list[str]) -> torch.Tensor:
+    """Captions are sample ids."""
+    return torch.tensor([[int(t)] for t in texts], dtype=torch.long)
+
+
 def plus_1000(sample: dict) -> dict:
     sample["txt"] = str(caption_id(sample) + 1000).encode()
     return sample
@@ -47,7 +52,7 @@ def assert_balanced(stats: DataStats) -> None:
 
 def dataset(pattern, dh, cls=ImageTextDataset, **kw):
     if cls is ImageTextDataset:
-        kw.setdefault("tokenizer", dh.id_tokenizer)
+        kw.setdefault("tokenizer", id_tokenizer)
     return cls(pattern, 64, image_size=8, shuffle=False, equalize=False, **kw)
 
 
@@ -144,7 +149,7 @@ def test_exact_epochs_with_a_filter_over_ranks_and_workers(tmp_path, dh, context
     pattern, all_ids = dh.write_id_shards(str(tmp_path), [5, 11, 3, 9])
     per_rank, batches = [], []
     for rank in range(2):
-        loader = image_text_loader(pattern, 3, num_workers=2, tokenizer=dh.id_tokenizer, image_size=8, train=True,
+        loader = image_text_loader(pattern, 3, num_workers=2, tokenizer=id_tokenizer, image_size=8, train=True,
                                    rank=rank, world_size=2, stages=[wds.select(is_odd)],
                                    multiprocessing_context=context)
         ids, n = dh.collect_ids(loader)

@@ -168,13 +168,13 @@ def test_failed_step_is_reported_and_sets_exit_status(demo_data, tmp_path, monke
 
 
 def test_missing_data_fails_with_the_install_line(tmp_path, monkeypatch):
-    import diffmm.demo.data as demo_data
+    import diffmm.demo.data as builders
     from diffmm.data.system_data import require_debian_file
 
     def missing(*args, **kwargs):
         require_debian_file(str(tmp_path / "NotoColorEmoji.ttf"), "fonts-noto-color-emoji")
 
-    monkeypatch.setattr(demo_data, "build_emoji", missing)
+    monkeypatch.setattr(builders, "build_emoji", missing)
     out = str(tmp_path / "report")
     rc = run_demo(_tiny_config(str(tmp_path / "nodata"), out, parts=("clip",), seeds=(0,)), command="test")
     assert rc == 1
@@ -187,13 +187,13 @@ def test_missing_data_fails_with_the_install_line(tmp_path, monkeypatch):
 
 
 def test_ensure_demo_data_builds_only_what_is_missing(demo_data, tmp_path, monkeypatch):
-    import diffmm.demo.data as demo_data
+    import diffmm.demo.data as builders
     from diffmm.demo.data import ensure_demo_data
 
     calls = []
-    monkeypatch.setattr(demo_data, "build_emoji", lambda out, styles: calls.append(("emoji", tuple(styles))))
-    monkeypatch.setattr(demo_data, "build_fashion_mnist", lambda out: calls.append(("fashion",)))
-    monkeypatch.setattr(demo_data, "build_python_docs", lambda out: calls.append(("text",)))
+    monkeypatch.setattr(builders, "build_emoji", lambda out, styles: calls.append(("emoji", tuple(styles))))
+    monkeypatch.setattr(builders, "build_fashion_mnist", lambda out: calls.append(("fashion",)))
+    monkeypatch.setattr(builders, "build_python_docs", lambda out: calls.append(("text",)))
     assert ensure_demo_data(demo_data, ("clip", "lm"), ("s1", "s2", "held")) == {}
     assert calls == []
     ensure_demo_data(demo_data, ("clip",), ("s1", "other"))
