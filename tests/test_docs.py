@@ -88,7 +88,7 @@ def _toy_demo_data(root: str) -> None:
     import numpy as np
     from PIL import Image
 
-    from diffmm.data.demo_text import build_python_docs
+    from diffmm.demo.datasets import build_python_docs
     from diffmm.data.writer import ShardWriter
 
     rng = np.random.default_rng(0)
@@ -112,8 +112,7 @@ def _toy_demo_data(root: str) -> None:
         text = " ".join(wr.choice(words) for _ in range(800))
         with open(os.path.join(src, f"mod{i}.rst.txt"), "w") as f:
             f.write(f"Module {i}\n========\n\n{text}\n")
-    build_python_docs(root, source_dir=os.path.dirname(src), vocab_size=300, val_every=4, maxcount=3,
-                      install=False, progress=False)
+    build_python_docs(root, source_dir=os.path.dirname(src), vocab_size=300, val_every=4, maxcount=3, progress=False)
     shutil.rmtree(os.path.dirname(src))
 
 

@@ -1,23 +1,24 @@
-"""Data: webdataset image-text / image-label / LM-text pipelines, shard writers and the demo datasets.
-
-Names are imported lazily so that ``diffmm shards --help`` stays fast.
-"""
+"""Data: webdataset image-text / image-label / LM-text pipelines, shard writers and shard tools."""
 from __future__ import annotations
 
-import importlib
+from diffmm.data.dist import assign_shards, detect_rank_world
+from diffmm.data.files import write_json_atomic
+from diffmm.data.image_text import ImageLabelDataset, ImageTextDataset, image_label_loader, image_text_loader
+from diffmm.data.shard_tools import (check_shards, index_shards, write_shards_from_captions, write_shards_from_folders,
+                                     write_shards_from_text)
+from diffmm.data.sizes import total_samples
+from diffmm.data.stats import DataStats
+from diffmm.data.stream import ShardLoader, ShardStream
+from diffmm.data.text import TextDataset, inputs_targets, text_loader
+from diffmm.data.tokenizers import ClipBPE, TokenizerFile, clip_tokenizer, load_lm_tokenizer, train_byte_level_bpe
+from diffmm.data.transforms import image_transform
+from diffmm.data.urls import expand_sources
+from diffmm.data.writer import ShardWriter
 
-_EXPORTS = {
-    "ImageTextDataset": "image_text", "ImageLabelDataset": "image_text", "image_text_loader": "image_text",
-    "image_label_loader": "image_text", "TextDataset": "text", "text_loader": "text", "inputs_targets": "text",
-    "ShardStream": "stream", "ShardLoader": "stream", "DataStats": "stats", "ShardWriter": "writer",
-    "image_transform": "transforms", "clip_tokenizer": "tokenizers", "load_lm_tokenizer": "tokenizers",
-    "train_byte_level_bpe": "tokenizers", "TokenizerFile": "tokenizers", "ClipBPE": "tokenizers",
-    "expand_sources": "urls", "read_sizes": "urls", "detect_rank_world": "dist", "assign_shards": "dist",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"diffmm.data.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'diffmm.data' has no attribute {name!r}")
+__all__ = [
+    "ClipBPE", "DataStats", "ImageLabelDataset", "ImageTextDataset", "ShardLoader", "ShardStream", "ShardWriter",
+    "TextDataset", "TokenizerFile", "assign_shards", "check_shards", "clip_tokenizer", "detect_rank_world",
+    "expand_sources", "image_label_loader", "image_text_loader", "image_transform", "index_shards", "inputs_targets",
+    "load_lm_tokenizer", "text_loader", "total_samples", "train_byte_level_bpe", "write_json_atomic",
+    "write_shards_from_captions", "write_shards_from_folders", "write_shards_from_text",
+]

@@ -21,6 +21,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch.distributed as dist
+import torch.utils.data
+
 
 @dataclass(frozen=True)
 class ShardSlice:
@@ -45,8 +48,6 @@ def detect_rank_world() -> tuple[int, int]:
     Raises:
         RuntimeError: ``WORLD_SIZE > 1`` but the rank cannot be determined.
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     env = os.environ
@@ -68,8 +69,6 @@ def detect_rank_world() -> tuple[int, int]:
 
 def worker_id_count() -> tuple[int, int]:
     """(worker id, number of workers) of the current DataLoader worker; (0, 1) in the main process."""
-    import torch.utils.data
-
     info = torch.utils.data.get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
 

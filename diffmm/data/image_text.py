@@ -1,57 +1,14 @@
 """Image-text and image-label batches from img2dataset-style shards (``KEY.jpg|png|webp`` + ``KEY.txt`` + ``KEY.json``)."""
 from __future__ import annotations
 
-import io
-import json
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
-from PIL import Image
 
+from diffmm.data.decode import MAX_IMAGE_PIXELS, decode_image, decode_text, parse_label
 from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.data.tokenizers import clip_tokenizer
 from diffmm.data.transforms import image_transform
-
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
-
-
-#: default cap on decoded image size (pixels): Pillow's own decompression-bomb threshold
-MAX_IMAGE_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
-
-
-def decode_image(sample: dict, stats, where: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> Image.Image | None:
-    """The sample's image, fully decoded, or ``None`` after counting a skip.
-
-    Images with more than ``max_pixels`` pixels (width x height from the header, checked before any
-    decoding) are skipped as ``image_too_large``; ``None`` lifts the cap.
-    """
-    field = next((f for f in IMAGE_FIELDS if f in sample), None)
-    if field is None:
-        stats.skip("missing_image", where, f"fields {sorted(k for k in sample if not k.startswith('__'))}")
-        return None
-    pillow_limit = Image.MAX_IMAGE_PIXELS
-    try:
-        with warnings.catch_warnings():
-            # Pillow's own bomb check would warn (or raise at 2x its limit): ours below replaces it
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            if max_pixels is None or (pillow_limit and 2 * pillow_limit < max_pixels):
-                Image.MAX_IMAGE_PIXELS = None  # the caller asked for more than Pillow allows
-            img = Image.open(io.BytesIO(sample[field]))
-            w, h = img.size
-            if max_pixels is not None and w * h > max_pixels:
-                stats.skip("image_too_large", where, f"{field}: {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
-                return None
-            img.load()
-    except Image.DecompressionBombError as e:
-        stats.skip("image_too_large", where, f"{field}: {e}")
-        return None
-    except Exception as e:  # PIL raises many types for bad bytes
-        stats.skip("corrupt_image", where, f"{field}: {type(e).__name__}: {e}")
-        return None
-    finally:
-        Image.MAX_IMAGE_PIXELS = pillow_limit
-    return img
 
 
 class _ImageStream(ShardStream):
@@ -94,7 +51,13 @@ class ImageTextDataset(_ImageStream):
         text_field: caption field (file extension).
         max_image_pixels: skip images with more pixels than this (``image_too_large``; default: Pillow's
             decompression-bomb threshold, about 89 M; ``None``: no cap).
-        **kwargs: :class:`ShardStream` options (also ``max_member_bytes``, ``pipe_timeout``).
+        **kwargs: :class:`ShardStream` options (also ``stages``, ``handler``, ``max_member_bytes``,
+            ``pipe_timeout``).
+
+    Example (webdataset stages on the raw samples, before the decoding above)::
+
+        ds = ImageTextDataset(urls, 64, stages=[wds.select(is_wide), wds.map(add_prefix)],
+                              handler=wds.warn_and_continue)
     """
 
     def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,
@@ -105,29 +68,16 @@ class ImageTextDataset(_ImageStream):
         self.text_field = text_field
 
     def _process(self, sample: dict) -> tuple[torch.Tensor, str] | None:
-        where = f"{sample['__url__']}:{sample['__key__']}"
-        if self.text_field not in sample:
-            self.stats.skip("missing_text", where)
-            return None
-        try:
-            caption = sample[self.text_field].decode("utf-8").strip()
-        except UnicodeDecodeError as e:
-            self.stats.skip("bad_utf8", where, str(e))
+        caption = decode_text(sample, self.text_field, self.stats, f"{sample['__url__']}:{sample['__key__']}")
+        if caption is None:
             return None
         image = self._image(sample)
-        return None if image is None else (image, caption)
+        return None if image is None else (image, caption.strip())
 
     def _collate(self, items: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.stack([im for im, _ in items])
         tokens = self.tokenizer([c for _, c in items])
         return images, torch.as_tensor(tokens, dtype=torch.long)
-
-
-def parse_label(sample: dict, field: str) -> int:
-    """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``."""
-    if field.startswith("json:"):
-        return int(json.loads(sample["json"])[field[len("json:"):]])
-    return int(sample[field].decode("utf-8").strip())
 
 
 class ImageLabelDataset(_ImageStream):

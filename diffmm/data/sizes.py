@@ -21,14 +21,18 @@ import json
 import logging
 import os
 import tarfile
-import tempfile
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
-from diffmm.data.urls import SIZES_FILE, is_local, local_path, open_shard
+from tqdm import tqdm
+
+from diffmm.data.files import write_json_atomic
+from diffmm.data.tar_reader import RecordingTarInfo, sample_members
+from diffmm.data.urls import is_local, local_path, open_shard
 
 log = logging.getLogger("diffmm.data")
 
+SIZES_FILE = "sizes.json"
 CACHE_FILE = ".diffmm-counts.json"
 STATS_SUFFIX = "_stats.json"
 _COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
@@ -78,41 +82,20 @@ def cache_path(directory: str) -> str:
     return os.path.join(root, "diffmm", "shard-counts", f"{digest}.json")
 
 
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write ``data`` as JSON through a temporary file and a rename (readers never see half a file)."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _is_compressed(path: str) -> bool:
     with open(path, "rb") as f:
         head = f.read(6)
     return any(head.startswith(m) for m in _COMPRESSED_MAGIC)
 
 
-def count_samples(url: str) -> int:
-    """Samples in one shard as :func:`~diffmm.data.tar_reader.iter_tar_samples` yields them (see :func:`inspect_shard`)."""
-    return inspect_shard(url)[0]
-
-
 def inspect_shard(url: str) -> tuple[int, Optional[str]]:
-    """``(samples, problem)`` of one shard; ``problem`` says why the shard is damaged (else ``None``).
+    """``(samples, problem)`` of one shard, the samples as :func:`~diffmm.data.tar_reader.iter_tar_samples`
+    yields them; ``problem`` says why the shard is damaged (else ``None``).
 
     Uncompressed local tars are indexed by their headers only (seeking over the data); other shards
     are streamed. A damaged shard counts the samples the reader delivers before the damage; an
     unreadable one counts 0.
     """
-    from diffmm.data.tar_reader import RecordingTarInfo, sample_members
-
     path = local_path(url)
     try:
         seekable = is_local(url) and not _is_compressed(path)
@@ -186,66 +169,35 @@ def stated_counts(urls: Sequence[str], use_cache: bool = False) -> dict[str, Sha
     return out
 
 
-def shard_counts(urls: Sequence[str], count_missing: bool = True, progress: bool = False,
-                 on_count: Optional[Callable[[str], None]] = None) -> dict[str, ShardCount]:
+def shard_counts(urls: Sequence[str], progress: bool = False) -> dict[str, ShardCount]:
     """The sample count of each url (see the module doc for where each comes from).
 
     Args:
         urls: shard urls; ``pipe:`` and remote urls raise :class:`UnknownShardSize`.
-        count_missing: count shards no file describes (else raise ``FileNotFoundError``).
         progress: show a tqdm bar while counting.
-        on_count: called with each url before it is counted.
 
     Raises:
         UnknownShardSize: a non-local url.
-        FileNotFoundError: a missing shard, or no count and ``count_missing`` is off.
+        FileNotFoundError: a missing shard.
     """
-    for url in urls:
-        if not is_local(url):
-            raise UnknownShardSize(f"the sample count of {url!r} is unknown (not a local file); pass the epoch size "
-                                   "(samples_per_epoch) or use local shards")
+    _check_local(urls, "the sample count of {url!r} is unknown (not a local file); pass the epoch size "
+                       "(samples_per_epoch) or use local shards")
     out = stated_counts(urls, use_cache=True)
-    to_count = [(u, *_split(u)) for u in dict.fromkeys(urls) if u not in out]
-    if to_count:
-        if not count_missing:
-            raise FileNotFoundError(f"no sample count for {to_count[0][0]} (no {SIZES_FILE}); run `diffmm shards index`")
-        _count_and_cache(to_count, out, progress, on_count)
-    return {u: out[u] for u in urls}
-
-
-def _stat(url: str) -> os.stat_result:
-    try:
-        return os.stat(local_path(url))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"shard not found: {url}") from None
-
-
-def _count_and_cache(to_count: list[tuple[str, str, str]], out: dict[str, ShardCount], progress: bool,
-                     on_count: Optional[Callable[[str], None]]) -> None:
-    from tqdm import tqdm
-
     new: dict[str, dict[str, dict]] = {}
-    for url, directory, name in tqdm(to_count, desc="counting samples", unit="shard",
-                                     disable=not progress or len(to_count) < 2):
-        if on_count is not None:
-            on_count(url)
-        st = _stat(url)
-        n, problem = inspect_shard(url)
-        if problem is not None:
-            log.warning("shard %s: %s (counted %d samples)", url, problem, n)
+    for url, directory, name, n, st in _count([u for u in dict.fromkeys(urls) if u not in out], "counting samples",
+                                              progress):
         out[url] = ShardCount(n, "counted")
         new.setdefault(directory, {})[name] = {"samples": n, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     for directory, entries in new.items():
         path = cache_path(directory)
-        cache = _read_json(path) or {}
-        cache.update(entries)
         try:
-            write_json_atomic(path, cache)
+            _merge_json(path, entries)
         except OSError as e:  # a read-only cache is not an error: the count is used, just not kept
             log.warning("could not cache shard counts in %s (%s)", path, e)
             continue
         log.info("counted %d samples in %d shard(s) of %s without %s (cached in %s)",
                  sum(e["samples"] for e in entries.values()), len(entries), directory, SIZES_FILE, path)
+    return {u: out[u] for u in urls}
 
 
 def total_samples(urls: Sequence[str]) -> int:
@@ -256,21 +208,41 @@ def total_samples(urls: Sequence[str]) -> int:
 def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[str, int]]:
     """Count every shard (ignoring existing ``sizes.json`` entries) and merge the counts into the
     ``sizes.json`` of each shard's folder; returns ``{sizes.json path: {name: samples}}``."""
-    from tqdm import tqdm
-
     urls = list(urls)
+    _check_local(urls, "{url!r}: only local shards can be indexed")
     written: dict[str, dict[str, int]] = {}
-    for url in tqdm(urls, desc="indexing", unit="shard", disable=not progress or len(urls) < 2):
+    for _, directory, name, n, _ in _count(urls, "indexing", progress):
+        written.setdefault(os.path.join(directory, SIZES_FILE), {})[name] = n
+    for path, counts in written.items():
+        _merge_json(path, counts)
+    return written
+
+
+def _check_local(urls: Iterable[str], message: str) -> None:
+    for url in urls:
         if not is_local(url):
-            raise UnknownShardSize(f"{url!r}: only local shards can be indexed")
-        _stat(url)
-        directory, name = _split(url)
+            raise UnknownShardSize(message.format(url=url))
+
+
+def _count(urls: Sequence[str], desc: str, progress: bool) -> Iterator[tuple[str, str, str, int, os.stat_result]]:
+    """Count the samples of each shard now: ``(url, folder, file name, samples, stat)``; damaged shards are logged."""
+    for url in tqdm(urls, desc=desc, unit="shard", disable=not progress or len(urls) < 2):
+        st = _stat(url)
         n, problem = inspect_shard(url)
         if problem is not None:
             log.warning("shard %s: %s (counted %d samples)", url, problem, n)
-        written.setdefault(os.path.join(directory, SIZES_FILE), {})[name] = n
-    for path, counts in written.items():
-        data = _read_json(path) or {}
-        data.update(counts)
-        write_json_atomic(path, data)
-    return written
+        yield (url, *_split(url), n, st)
+
+
+def _merge_json(path: str, entries: dict) -> None:
+    """Merge ``entries`` into the JSON object in ``path`` (written atomically)."""
+    data = _read_json(path) or {}
+    data.update(entries)
+    write_json_atomic(path, data, sort_keys=True)
+
+
+def _stat(url: str) -> os.stat_result:
+    try:
+        return os.stat(local_path(url))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"shard not found: {url}") from None

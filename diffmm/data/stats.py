@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 
+import torch
+import torch.distributed as dist
+
 log = logging.getLogger("diffmm.data")
 
 #: counter names, in report order. ``samples_in`` = ``samples_out`` + sum of the ``skip_*`` counts.
@@ -32,6 +35,8 @@ COUNTERS: tuple[str, ...] = (
     "skip_bad_label",
     "skip_oversized",     # a tar member over max_member_bytes (never read into memory)
     "skip_image_too_large",  # more pixels than max_image_pixels (decompression bombs)
+    "skip_filtered",      # dropped by a user's pipeline stage (e.g. wds.select)
+    "skip_stage_error",   # a user's pipeline stage raised and the handler said continue
     "skip_other",
 )
 SKIP_REASONS: tuple[str, ...] = tuple(c[len("skip_"):] for c in COUNTERS if c.startswith("skip_"))
@@ -107,9 +112,6 @@ class DataStats:
 
     def all_reduce(self) -> dict[str, int]:
         """Sum the counts over DDP ranks (needs ``torch.distributed`` initialised; else local counts)."""
-        import torch
-        import torch.distributed as dist
-
         snap = self.snapshot()
         if not (dist.is_available() and dist.is_initialized()):
             return snap

@@ -1,7 +1,9 @@
 """Base iterable dataset over webdataset shards: shard assignment, epochs, shuffling, batching.
 
-Subclasses turn raw samples into items (:meth:`ShardStream._process` or, for stateful work such
-as sequence packing, :meth:`ShardStream._keyed_items`) and items into a batch (:meth:`_collate`).
+A sample goes: tar reader (raw bytes per field) -> shuffle buffer -> the user's webdataset
+``stages`` (:mod:`diffmm.data.stages`) -> :meth:`ShardStream._process` (decode into an item, or a
+counted skip) -> :meth:`ShardStream._pack` (items into batch rows; sequence packing for text) ->
+:meth:`ShardStream._collate` (rows into a batch). Subclasses define ``_process`` and ``_collate``.
 Batches are built inside the DataLoader workers, so use ``batch_size=None`` in the DataLoader
 (:class:`ShardLoader` does).
 
@@ -29,11 +31,13 @@ import random
 from typing import Any, Iterator, Sequence
 
 import torch
+import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from diffmm.data.dist import (ShardSlice, assign_shards, batch_quota, detect_rank_world, plan_ranges, worker_id_count,
                               worker_seed)
 from diffmm.data.sizes import ShardCount, UnknownShardSize, shard_counts
+from diffmm.data.stages import Handler, Stage, run_stages
 from diffmm.data.stats import DataStats
 from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT, ReadLimits, iter_tar_samples
 from diffmm.data.urls import check_shards_exist, expand_sources
@@ -78,6 +82,10 @@ class ShardStream(IterableDataset):
         check_exist: raise at construction if local shards are missing.
         max_member_bytes: skip samples with a tar member larger than this (never read; ``None``: no cap).
         pipe_timeout: seconds a ``pipe:`` command may send nothing before it is killed (``None``: no limit).
+        stages: webdataset pipeline stages run on each raw sample before decoding (``wds.map(f)``,
+            ``wds.select(pred)``, ``wds.decode("pil")``, ...; see :mod:`diffmm.data.stages`).
+        handler: what a stage's exception does, as in webdataset: ``wds.reraise_exception`` (default),
+            ``wds.warn_and_continue`` / ``wds.ignore_and_continue`` (skip the sample, counted).
     """
 
     def __init__(self, urls: str | Sequence[str], batch_size: int, *, weights: Sequence[float] | None = None,
@@ -85,7 +93,8 @@ class ShardStream(IterableDataset):
                  shuffle: bool = True, shuffle_buffer: int = 1000, seed: int = 0, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, stats: DataStats | None = None,
                  name: str = "data", check_exist: bool = True, max_member_bytes: int | None = MAX_MEMBER_BYTES,
-                 pipe_timeout: float | None = PIPE_TIMEOUT) -> None:
+                 pipe_timeout: float | None = PIPE_TIMEOUT, stages: Sequence[Stage] = (),
+                 handler: Handler = wds.reraise_exception) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -112,6 +121,7 @@ class ShardStream(IterableDataset):
         self._local_iters = 0
         self._dist_snapshot: tuple[int, int] | None = None
         self.limits = ReadLimits(max_member_bytes, pipe_timeout)
+        self.stages, self.handler = tuple(stages), handler
         #: yield ``(batch, keys)`` with the sample key of every row (``diffmm predict`` uses it)
         self.with_keys = False
         self._counts: dict[str, ShardCount] | None = None
@@ -261,11 +271,14 @@ class ShardStream(IterableDataset):
         raise NotImplementedError
 
     def _keyed_items(self, samples: Iterator[dict]) -> Iterator[tuple[str, Any]]:
-        """``(sample key, item)`` from raw samples; counts ``samples_in``/``samples_out``."""
+        """``(sample key, item)`` for each raw sample that the stages keep and :meth:`_process` turns into
+        an item; counts ``samples_in``, ``samples_out`` and (through the two) every skip."""
         skips = 0
         for sample in samples:
             self.stats.add("samples_in")
-            item = self._process(sample)
+            if self.stages:
+                sample = run_stages(sample, self.stages, self.handler, self.stats)
+            item = None if sample is None else self._process(sample)
             if item is None:
                 skips += 1
                 self._check_skips(skips)
@@ -273,6 +286,10 @@ class ShardStream(IterableDataset):
             skips = 0
             self.stats.add("samples_out")
             yield sample["__key__"], item
+
+    def _pack(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``(key, batch row)`` from ``(sample key, item)``: one row per item here; subclasses may regroup."""
+        return items
 
     def _check_skips(self, consecutive: int) -> None:
         if self.equalize and consecutive >= MAX_CONSECUTIVE_SKIPS:
@@ -307,7 +324,7 @@ class ShardStream(IterableDataset):
         batch: list[Any] = []
         keys: list[str] = []
         n_batches = 0
-        for key, item in self._keyed_items(samples):
+        for key, item in self._pack(self._keyed_items(samples)):
             batch.append(item)
             keys.append(key)
             if len(batch) == self.batch_size:
@@ -356,7 +373,3 @@ class ShardLoader(DataLoader):
         self._next_epoch += 1
         return super().__iter__()
 
-
-def to_tensor_batch(rows: list[list[int]]) -> torch.Tensor:
-    """Stack equal-length int lists into a long tensor."""
-    return torch.tensor(rows, dtype=torch.long)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from diffmm.data.stats import DataStats
-from diffmm.data.urls import open_shard
+from diffmm.data.urls import is_local, local_path, open_shard
 
 #: default cap on one tar member (bytes): larger members are skipped without being read
 MAX_MEMBER_BYTES = 64 << 20
@@ -70,7 +70,8 @@ def sample_members(tf: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, 
 def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 1, *, start: int = 0,
                      stop: Optional[int] = None, expected: Optional[int] = None, expected_from: str = "sizes.json",
                      limits: ReadLimits = ReadLimits()) -> Iterator[dict]:
-    """Yield the samples of shard ``url`` as ``{"__key__", "__url__", field: bytes, ...}``.
+    """Yield the samples of shard ``url`` as webdataset does: ``{"__key__", "__url__", field: bytes, ...}``
+    (and ``"__local_path__"`` for a local file).
 
     Args:
         url: local path, ``pipe:`` command or remote url.
@@ -93,6 +94,7 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
         stats.shard_problem("shards_failed", url, f"{type(e).__name__}: {e}")
         return
     stats.add("shards_opened")
+    base = {"__local_path__": local_path(url)} if is_local(url) else {}   # as webdataset's samples have it
     cap = limits.max_member_bytes
     index = 0          # index of the current sample within the shard
     current: dict | None = None
@@ -123,7 +125,7 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
                                             f"{expected_from} says; the rest are not read (run `diffmm shards index`)")
                     abandoned = True
                     break
-                current = {"__key__": key, "__url__": url}
+                current = {"__key__": key, "__url__": url, **base}
             n_members += 1
             if not wanted(index):
                 continue  # tarfile skips the member's data

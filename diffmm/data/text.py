@@ -13,9 +13,15 @@ import os
 from typing import Any, Iterator, Sequence
 
 import torch
+from tqdm import tqdm
 
+from diffmm.data.decode import decode_text
+from diffmm.data.files import write_json_atomic
+from diffmm.data.stats import DataStats
 from diffmm.data.stream import ShardLoader, ShardStream
+from diffmm.data.tar_reader import iter_tar_samples
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
+from diffmm.data.urls import is_local
 
 TOKENS_FILE = "tokens.json"
 log = logging.getLogger("diffmm.data")
@@ -93,8 +99,6 @@ class TextDataset(ShardStream):
         return self._samples_per_epoch
 
     def _count_tokens_once(self) -> int:
-        from diffmm.data.urls import is_local
-
         if not all(is_local(u) for u in self.urls):
             raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to the "
                              "shards and they are not local files; pass samples_per_epoch= (rows per epoch)")
@@ -111,32 +115,20 @@ class TextDataset(ShardStream):
                 log.warning("%s: could not write tokens.json in %s (%s)", self.name, directory or ".", e)
         return sum(counts.values())
 
-    def _keyed_items(self, samples: Iterator[dict]) -> Iterator[tuple[str, list[int]]]:
-        """Packed rows; a row's key is ``KEY:T``, the document and token offset where the row starts."""
+    def _process(self, sample: dict) -> list[int] | None:
+        """The document's tokens followed by the end-of-document id, or ``None`` after counting a skip."""
+        text = decode_text(sample, self.text_field, self.stats, f"{sample['__url__']}:{sample['__key__']}")
+        return None if text is None else [*self.tokenizer.encode(text), self.tokenizer.eos_id]
+
+    def _pack(self, items: Iterator[tuple[str, list[int]]]) -> Iterator[tuple[str, list[int]]]:
+        """Documents packed into rows of ``seq_len + 1`` tokens; a row's key is ``KEY:T``, the document and
+        token offset where the row starts."""
         row_len = self.seq_len + 1
         buf: list[int] = []
         docs: list[tuple[int, str]] = []   # (index in buf where a document starts, its key)
-        skips = 0
-        for sample in samples:
-            self.stats.add("samples_in")
-            where = f"{sample['__url__']}:{sample['__key__']}"
-            if self.text_field not in sample:
-                self.stats.skip("missing_text", where)
-                skips += 1
-                self._check_skips(skips)
-                continue
-            try:
-                text = sample[self.text_field].decode("utf-8")
-            except UnicodeDecodeError as e:
-                self.stats.skip("bad_utf8", where, str(e))
-                skips += 1
-                self._check_skips(skips)
-                continue
-            skips = 0
-            self.stats.add("samples_out")
-            docs.append((len(buf), sample["__key__"]))
-            buf.extend(self.tokenizer.encode(text))
-            buf.append(self.tokenizer.eos_id)
+        for key, tokens in items:
+            docs.append((len(buf), key))
+            buf.extend(tokens)
             start = 0
             while len(buf) - start >= row_len:
                 while len(docs) > 1 and docs[1][0] <= start:
@@ -158,11 +150,6 @@ def text_loader(urls: str | Sequence[str], batch_size: int, seq_len: int, num_wo
 
 def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer, progress: bool = False) -> dict[str, int]:
     """Tokens (with one separator per document) of each shard, keyed by file name, for ``tokens.json``."""
-    from tqdm import tqdm
-
-    from diffmm.data.stats import DataStats
-    from diffmm.data.tar_reader import iter_tar_samples
-
     stats = DataStats("count-tokens")
     out: dict[str, int] = {}
     for url in tqdm(urls, desc="counting tokens", unit="shard", disable=not progress or len(urls) < 2):
@@ -178,8 +165,6 @@ def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer, progress: bool = F
 
 def write_token_counts(directory: str, tokenizer: LMTokenizer, counts: dict[str, int]) -> str:
     """Merge ``counts`` for ``tokenizer`` into ``directory/tokens.json`` (atomically); returns its path."""
-    from diffmm.data.sizes import write_json_atomic
-
     path = os.path.join(directory, TOKENS_FILE)
     data: dict = {}
     if os.path.exists(path):

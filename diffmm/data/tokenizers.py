@@ -5,6 +5,9 @@ import hashlib
 import os
 from typing import Iterable, Protocol
 
+from open_clip.tokenizer import SimpleTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 
@@ -14,8 +17,6 @@ def clip_tokenizer(context_length: int = 77):
     Captions get ``<start_of_text>`` ... ``<end_of_text>`` and zero padding; longer ones are cut
     with ``<end_of_text>`` kept last. Vocabulary 49408 (ships inside open_clip, no download).
     """
-    from open_clip.tokenizer import SimpleTokenizer
-
     return SimpleTokenizer(context_length=context_length)
 
 
@@ -33,8 +34,6 @@ class ClipBPE:
     """The CLIP BPE as an LM tokenizer (lower-cases text, drops some whitespace); eos = ``<end_of_text>``."""
 
     def __init__(self) -> None:
-        from open_clip.tokenizer import SimpleTokenizer
-
         self._tok = SimpleTokenizer()
         self.vocab_size = len(self._tok.encoder)
         self.eos_id = self._tok.eot_token_id
@@ -77,8 +76,6 @@ class TokenizerFile:
 
     def _load(self):
         if self._tok is None:
-            from tokenizers import Tokenizer
-
             self._tok = Tokenizer.from_file(self.path)
         return self._tok
 
@@ -101,8 +98,6 @@ def train_byte_level_bpe(texts: Iterable[str], out_path: str, vocab_size: int = 
     The vocabulary holds the 256 byte symbols, ``eos_token`` and the learned merges, so any text
     (any UTF-8) encodes without unknown tokens.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

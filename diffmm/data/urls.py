@@ -1,4 +1,4 @@
-"""Shard lists: brace expansion, weighted sources, existence checks, opening and ``sizes.json``.
+"""Shard lists: brace expansion, weighted sources, existence checks and opening a shard as a stream.
 
 A *source spec* is one string or a list of strings. Inside a string, ``::`` separates
 sources (open_clip convention) and each source may use brace expansion, e.g.
@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterable, Sequence
 
 import braceexpand
-
-SIZES_FILE = "sizes.json"
-
+import webdataset
 
 @dataclass(frozen=True)
 class Source:
@@ -161,19 +159,5 @@ def open_shard(url: str, timeout: float | None = None) -> BinaryIO:
         return PipeStream(url[len("pipe:"):], timeout)  # type: ignore[return-value]
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
-    import webdataset
-
     return webdataset.gopen(url, "rb")
 
-
-def read_sizes(urls: Sequence[str]) -> int:
-    """Total sample count of ``urls``: ``sizes.json`` next to each shard, img2dataset's ``*_stats.json``,
-    or counted once and cached (see :mod:`diffmm.data.sizes`).
-
-    Raises:
-        ValueError: a ``pipe:`` or remote url (pass the epoch size explicitly).
-        FileNotFoundError: a missing shard.
-    """
-    from diffmm.data.sizes import total_samples
-
-    return total_samples(urls)

@@ -10,7 +10,8 @@ import shutil
 import tarfile
 import tempfile
 
-from diffmm.data.urls import SIZES_FILE
+from diffmm.data.files import write_json_atomic
+from diffmm.data.sizes import SIZES_FILE
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
 _TMP_TAG = "-writing-"
@@ -33,6 +34,31 @@ def check_prefix(prefix: str) -> str:
         raise ValueError(f"--prefix {prefix!r} must be a plain file name prefix (no '/', '\\' or '..'); "
                          "shards always go into the output folder")
     return prefix
+
+
+class SkipCounter:
+    """Input rows a writer skipped, by reason; ``str()`` is ``"3 rows skipped (missing image=2, bad image=1); first ..."``."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def add(self, reason: str, detail: str) -> None:
+        """Count one skipped row; ``detail`` (the row and the problem) is kept for the first of each reason."""
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.first.setdefault(reason, detail)
+
+    @property
+    def total(self) -> int:
+        """Rows skipped for any reason."""
+        return sum(self.counts.values())
+
+    def __str__(self) -> str:
+        if not self.counts:
+            return ""
+        parts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+        first = "; ".join(f"first {k}: {v}" for k, v in sorted(self.first.items()))
+        return f"{self.total} rows skipped ({parts}); {first}"
 
 
 class ShardWriter:
@@ -67,6 +93,8 @@ class ShardWriter:
         self._bytes = 0
         self._keys: set[str] = set()
         self.total = 0
+        #: input rows the tool feeding this writer skipped (``--skip-bad``), by reason
+        self.skipped = SkipCounter()
         self._stale = re.compile(re.escape(prefix) + r"-\d{6}\.tar$")
         self._tmpdir: str | None = tempfile.mkdtemp(prefix=f".{prefix}{_TMP_TAG}", dir=directory)
         self._closed = False
@@ -128,8 +156,6 @@ class ShardWriter:
         for name in os.listdir(self.directory):  # a rerun replaces the shards of an earlier one
             if self._stale.match(name) and name not in new:
                 os.remove(os.path.join(self.directory, name))
-        from diffmm.data.sizes import write_json_atomic
-
         path = os.path.join(self.directory, SIZES_FILE)
         sizes: dict[str, int] = {}
         if os.path.exists(path):
@@ -137,7 +163,7 @@ class ShardWriter:
                 sizes = json.load(f)
         sizes = {k: v for k, v in sizes.items() if not self._stale.match(k)}
         sizes.update(self.sizes)
-        write_json_atomic(path, sizes)
+        write_json_atomic(path, sizes, sort_keys=True)
         self._remove_tmp()
         for leftover in glob.glob(os.path.join(glob.escape(self.directory), f".{glob.escape(self.prefix)}{_TMP_TAG}*")):
             shutil.rmtree(leftover, ignore_errors=True)  # from a writer that was killed

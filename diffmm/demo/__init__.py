@@ -4,7 +4,7 @@ on the demo data over several seeds on CPU, evaluates them through ``diffmm.eval
     from diffmm.demo import QUICK, run_demo
     run_demo(QUICK.replace(out="report-quick"))
 
-Modules: ``config`` (budgets), ``data`` (build / find shards), ``train`` (Lightning runs), ``evaluate``
+Modules: ``config`` (budgets), ``datasets`` (the demo dataset builders), ``montage``, ``data`` (build / find shards), ``train`` (Lightning runs), ``evaluate``
 (zero-shot, retrieval, LM metrics), ``summary`` (mean ± std, paired differences), ``plots``, ``report``,
 ``steps`` (failure-tolerant step runner), ``pipeline`` (the order of it all), ``cli``.
 """

@@ -46,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout", help="emoji art style held out for zero-shot and retrieval (default: twitter)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default 0: all cores, 1 if the machine is busy)")
     p.add_argument("--num-workers", type=int, help="DataLoader workers of the training streams (default 1)")
-    p.add_argument("--no-install", action="store_true", help="never install missing apt/npm data sources")
     p.add_argument("--render-only", action="store_true", help="only rewrite OUT/report.md from OUT/results.json")
     return p
 
@@ -62,8 +61,6 @@ def config_from_args(args: argparse.Namespace):
     if args.holdout:
         styles = tuple(s for s in ("noto", "google", "twitter", "openmoji") if s != args.holdout)
         changes.update(holdout_style=args.holdout, train_styles=styles)
-    if args.no_install:
-        changes["install"] = False
     for steps, warmup in (("clip_steps", "clip_warmup"), ("lm_steps", "lm_warmup")):
         if steps in changes:  # warmup: at most 10% of a shortened run
             changes[warmup] = min(getattr(cfg, warmup), max(1, changes[steps] // 10))

@@ -20,11 +20,10 @@ class DemoConfig:
 
     Attributes:
         out: report folder (``report.md``, ``results.json``, plots, ``runs/`` with the training logs).
-        data: demo data folder (built by :mod:`diffmm.data` builders when missing).
+        data: demo data folder (built by the :mod:`diffmm.demo.datasets` builders when missing).
         parts: which parts run: ``clip`` (CLIP vs DiffCLIP), ``lm`` (DIFF vs Transformer LM), ``recall``
             (associative recall: Transformer vs DIFF V1 vs DIFF V2 at equal parameters).
         seeds: one training run per model per seed; both models of a pair share seed, data order and budget.
-        install: let the data builders install missing apt/npm sources.
         threads: torch CPU threads; 0 = all cores, or 1 when the machine is already busy (load >= cores).
         num_workers: DataLoader workers of the training streams.
         clip_models: (baseline, differential) model configs of ``diffmm.create_model``.
@@ -53,7 +52,6 @@ class DemoConfig:
     data: str = "data"
     parts: tuple[str, ...] = PARTS
     seeds: tuple[int, ...] = (0, 1, 2)
-    install: bool = True
     threads: int = 0
     num_workers: int = 1
     # CLIP vs DiffCLIP

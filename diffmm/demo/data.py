@@ -1,4 +1,4 @@
-"""The demo's data: build what is missing with the ``diffmm.data`` builders, and name the shards.
+"""The demo's data: build what is missing with the :mod:`diffmm.demo.datasets` builders, and name the shards.
 
 Layout (``docs/data.md``): ``DATA/emoji/<style>/`` (+ ``classes.json``), ``DATA/fashion-mnist/test/``
 (+ ``classes.json``), ``DATA/python-docs/{train,val}/`` (+ ``tokenizer.json``, ``info.json``). Every
@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tarfile
 from dataclasses import dataclass
 from typing import Optional
+
+from diffmm.demo.datasets import build_emoji, build_fashion_mnist, build_python_docs
 
 log = logging.getLogger("diffmm.demo")
 
@@ -35,7 +36,7 @@ def shard_count(folder: str) -> int:
 
 
 def spec(paths: list[str]) -> str:
-    """A source spec of ``diffmm.data`` for a list of shard files (``::`` between them)."""
+    """A source spec of :mod:`diffmm.data` for a list of shard files (``::`` between them)."""
     return "::".join(paths)
 
 
@@ -57,43 +58,23 @@ def text_ready(data: str) -> bool:
             and all(shard_paths(os.path.join(root, s)) for s in ("train", "val")))
 
 
-def _ensure_npm_tool(install: bool) -> None:
-    """The npm-packaged emoji styles need the ``npm`` tool itself; on a fresh Debian machine install it
-    (as root) like the other sources. Leaves the error to the emoji builder when that is not possible."""
-    from diffmm.data.sources import MissingSource, ensure_apt
-
-    try:
-        ensure_apt("npm", "/usr/bin/npm", install)
-    except MissingSource as e:
-        log.warning("%s; the npm emoji styles will need it", e)
-
-
-def ensure_demo_data(data: str, parts: tuple[str, ...], styles: tuple[str, ...], install: bool = True) -> dict:
+def ensure_demo_data(data: str, parts: tuple[str, ...], styles: tuple[str, ...]) -> dict:
     """Build the demo datasets the ``parts`` need and that are not there yet; returns what was built.
 
-    Raises whatever the builders raise (``diffmm.data.sources.MissingSource`` names the install line).
+    Raises whatever the builders raise (a missing source file: ``FileNotFoundError`` naming its package).
     """
     built: dict = {}
     if "clip" in parts:
         missing = missing_emoji_styles(data, styles)
         if missing:
-            from diffmm.data.demo_emoji import NPM_PACKAGES, build_emoji
-
-            if any(s in NPM_PACKAGES for s in missing) and shutil.which("npm") is None:
-                _ensure_npm_tool(install)
-
             log.info("building emoji styles %s under %s", missing, data)
-            built["emoji"] = build_emoji(data, missing, install=install)
+            built["emoji"] = build_emoji(data, missing)
         if not fashion_ready(data):
-            from diffmm.data.demo_fashion_mnist import build_fashion_mnist
-
             log.info("building Fashion-MNIST under %s", data)
-            built["fashion-mnist"] = build_fashion_mnist(data, install=install)
+            built["fashion-mnist"] = build_fashion_mnist(data)
     if "lm" in parts and not text_ready(data):
-        from diffmm.data.demo_text import build_python_docs
-
         log.info("building the Python-docs corpus under %s", data)
-        built["python-docs"] = build_python_docs(data, install=install)
+        built["python-docs"] = build_python_docs(data)
     return built
 
 

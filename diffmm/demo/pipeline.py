@@ -121,7 +121,7 @@ class Demo:
         styles = tuple(cfg.train_styles) + (cfg.holdout_style,)
 
         def go():
-            built = ensure_demo_data(cfg.data, (part,), styles, install=cfg.install)
+            built = ensure_demo_data(cfg.data, (part,), styles)
             d = locate(cfg.data, (part,), tuple(cfg.train_styles), cfg.holdout_style)
             summary = {k: v for k, v in d.summary().items() if v}
             self.results["data"].update(summary)

@@ -11,9 +11,8 @@ import logging
 import sys
 from typing import Callable
 
+from diffmm.data.system_data import PYTHON_DOCS
 from diffmm.eval.common import EvalError, write_json, write_text
-
-PY_DOCS = "/usr/share/doc/python3.11-doc/html/_sources"
 
 
 # ----------------------------------------------------------------------------------- shared options
@@ -346,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("needle", cmd_needle, "multi-needle retrieval (N needles, R queried, depth sweep)")
     _lm_opts(p)
-    p.add_argument("--haystack", nargs="+", default=[PY_DOCS], help=f"text files/folders (default {PY_DOCS})")
+    p.add_argument("--haystack", nargs="+", default=[PYTHON_DOCS], help=f"text files/folders (default {PYTHON_DOCS})")
     p.add_argument("--haystack-chars", type=int, default=2_000_000)
     p.add_argument("--context-length", type=int, nargs="+", default=[4096])
     p.add_argument("--needles", type=int, default=6, help="N")

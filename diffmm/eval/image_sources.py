@@ -196,10 +196,10 @@ class ShardLabelSource:
 
     @property
     def num_samples(self) -> int | None:
-        from diffmm.data.urls import read_sizes
+        from diffmm.data.sizes import total_samples
 
         try:
-            return int(read_sizes(self.dataset.urls))
+            return int(total_samples(self.dataset.urls))
         except Exception:  # no sizes.json: the progress bar has no total
             return None
 

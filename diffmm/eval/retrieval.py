@@ -32,7 +32,7 @@ def parse_captions(sample: dict, field: str) -> list[str]:
 
 
 def _captions_dataset(urls, batch_size: int, transform: Callable, caption_field: str):
-    from diffmm.data.image_text import decode_image
+    from diffmm.data.decode import decode_image
     from diffmm.data.stream import ShardStream
 
     class ImageCaptionsDataset(ShardStream):
@@ -119,14 +119,14 @@ def retrieval_on_shards(model, tokenizer, urls, transform: Callable, *, caption_
                         batch_size: int = 64, num_workers: int = 2, **kwargs) -> dict[str, Any]:
     """:func:`evaluate_retrieval` over image-text shards; adds the data counters (skips) to the result."""
     from diffmm.data.stream import ShardLoader
-    from diffmm.data.urls import read_sizes
+    from diffmm.data.sizes import total_samples
 
     try:
         ds = _captions_dataset(urls, batch_size, transform, caption_field)
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(f"shards {urls}: {e}") from None
     try:
-        total = int(read_sizes(ds.urls))
+        total = int(total_samples(ds.urls))
     except Exception:  # no sizes.json
         total = None
     out = evaluate_retrieval(model, tokenizer, ShardLoader(ds, num_workers=num_workers), total=total, **kwargs)

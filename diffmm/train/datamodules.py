@@ -21,7 +21,7 @@ from diffmm.train.resume import ResumableLoader
 log = logging.getLogger("diffmm.train")
 
 STAGES = ("train", "val", "test", "predict")
-#: Pillow's decompression-bomb threshold (``diffmm.data.image_text.MAX_IMAGE_PIXELS``), without importing PIL here
+#: Pillow's decompression-bomb threshold (``diffmm.data.decode.MAX_IMAGE_PIXELS``), without importing PIL here
 MAX_IMAGE_PIXELS = 89_478_485
 
 

@@ -116,7 +116,7 @@ def test_pipe_that_stalls_mid_shard_keeps_what_came_before(tmp_path, dh):
 def test_pipe_timeout_is_a_data_module_and_check_option():
     import inspect
 
-    from diffmm.data.shards_cli import build_parser
+    from diffmm.shards_cli import build_parser
     from diffmm.train.datamodules import ImageTextDataModule, TextDataModule
 
     for cls in (ImageTextDataModule, TextDataModule):

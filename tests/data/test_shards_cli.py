@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from diffmm.data.image_text import image_label_loader, image_text_loader
-from diffmm.data.shards_cli import main, parse_size
+from diffmm.data.shard_tools import image_field, parse_size
+from diffmm.shards_cli import main
 
 
 def make_images(folder, n):
@@ -93,6 +94,9 @@ def test_from_text_with_trained_tokenizer(tmp_path, capsys):
 
 def test_parse_size():
     assert parse_size("4096") == 4096 and parse_size("500MB") == 500 << 20 and parse_size("1GiB") == 1 << 30
+    assert parse_size(123) == 123
+    with pytest.raises(ValueError, match="bad size '5 apples'"):
+        parse_size("5 apples")
 
 
 # ----- a rerun never loses the old shards; bad input is found before anything is replaced ----------
@@ -162,8 +166,6 @@ def test_prefix_cannot_leave_the_output_folder(tmp_path, capsys):
 
 
 def test_images_are_stored_by_their_real_format(tmp_path):
-    from diffmm.data.shard_sources import image_field
-
     Image.new("RGB", (4, 4)).save(tmp_path / "png_named.jpg", "PNG")
     Image.new("RGB", (4, 4)).save(tmp_path / "pic.bmp")
     assert image_field(str(tmp_path / "png_named.jpg"))[0] == "png"
@@ -228,3 +230,19 @@ def test_index_writes_sizes_json(tmp_path, capsys):
     assert json.load(open(tmp_path / "a" / "sizes.json")) == {"s-000000.tar": 4, "s-000001.tar": 4, "s-000002.tar": 2}
     assert json.load(open(tmp_path / "b" / "sizes.json")) == {"s-000000.tar": 4, "s-000001.tar": 4}
     assert "10 samples in 3 shards" in capsys.readouterr().out
+
+
+def test_the_tools_are_plain_functions(tmp_path, capsys):
+    """What each subcommand runs, called from Python: typed arguments, a printed report, a return value."""
+    from diffmm.data.shard_tools import check_shards, index_shards, write_shards_from_folders
+
+    for cls in ("cat", "dog"):
+        make_images(tmp_path / "root" / cls, 3)
+    w = write_shards_from_folders(str(tmp_path / "root"), str(tmp_path / "out"), maxcount=4, maxsize="1MB",
+                                  progress=False)
+    assert (w.total, len(w.shards), w.skipped.total) == (6, 2, 0)
+    assert "wrote 6 samples in 2 shards" in capsys.readouterr().out
+    assert check_shards([str(tmp_path / "out" / "*.tar")], max_member_bytes="1MB") is True
+    (tmp_path / "out" / "sizes.json").unlink()
+    written = index_shards([str(tmp_path / "out" / "*.tar")])
+    assert written == {str(tmp_path / "out" / "sizes.json"): {"shard-000000.tar": 4, "shard-000001.tar": 2}}

@@ -53,8 +53,7 @@ def _write_idx(path: str, array: np.ndarray) -> None:
 
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory) -> str:
-    from diffmm.data.demo_fashion_mnist import build_fashion_mnist
-    from diffmm.data.demo_text import build_python_docs
+    from diffmm.demo.datasets import build_fashion_mnist, build_python_docs
 
     root = tmp_path_factory.mktemp("demo")
     data = str(root / "data")
@@ -69,20 +68,20 @@ def demo_data(tmp_path_factory) -> str:
     for prefix, n in (("train", 20), ("t10k", 40)):
         _write_idx(str(idx / f"{prefix}-images-idx3-ubyte.gz"), rng.integers(0, 255, (n, 28, 28)))
         _write_idx(str(idx / f"{prefix}-labels-idx1-ubyte.gz"), np.arange(n) % 10)
-    build_fashion_mnist(data, source_dir=str(idx), install=False, progress=False)
+    build_fashion_mnist(data, source_dir=str(idx), progress=False)
     src = root / "_sources"
     (src / "library").mkdir(parents=True)
     wr = random.Random(0)
     for i in range(24):
         text = "\n\n".join(" ".join(wr.choice(WORDS) for _ in range(wr.randint(3, 6))).capitalize() + "." for _ in range(60))
         (src / "library" / f"mod{i}.rst.txt").write_text(f"Module {i}\n========\n\n{text}\n")
-    build_python_docs(data, source_dir=str(src), vocab_size=320, val_every=4, install=False, progress=False)
+    build_python_docs(data, source_dir=str(src), vocab_size=320, val_every=4, progress=False)
     return data
 
 
 def _tiny_config(data: str, out: str, **changes) -> DemoConfig:
     cfg = DemoConfig(
-        out=out, data=data, seeds=(0, 1), install=False, threads=1, num_workers=0,
+        out=out, data=data, seeds=(0, 1), threads=1, num_workers=0,
         clip_model_kwargs=dict(embed_dim=16, vision_cfg=dict(image_size=16, patch_size=8, width=32, layers=1,
                                                              head_width=16),
                                text_cfg=dict(context_length=16, width=32, heads=2, layers=1)),
@@ -169,40 +168,38 @@ def test_failed_step_is_reported_and_sets_exit_status(demo_data, tmp_path, monke
 
 
 def test_missing_data_fails_with_the_install_line(tmp_path, monkeypatch):
-    import diffmm.data.demo_emoji as emoji
-    from diffmm.data.sources import MissingSource
+    import diffmm.demo.data as builders
+    from diffmm.data.system_data import require_debian_file
 
     def missing(*args, **kwargs):
-        raise MissingSource("fonts-noto-color-emoji is not installed; run: apt-get install fonts-noto-color-emoji")
+        require_debian_file(str(tmp_path / "NotoColorEmoji.ttf"), "fonts-noto-color-emoji")
 
-    monkeypatch.setattr(emoji, "build_emoji", missing)
+    monkeypatch.setattr(builders, "build_emoji", missing)
     out = str(tmp_path / "report")
     rc = run_demo(_tiny_config(str(tmp_path / "nodata"), out, parts=("clip",), seeds=(0,)), command="test")
     assert rc == 1
     res = json.load(open(os.path.join(out, "results.json")))
     first = res["steps"][0]
     assert first["status"] == "failed" and first["name"].startswith("data (clip)")
-    assert "apt-get install fonts-noto-color-emoji" in first["error"]
+    assert "install the Debian package fonts-noto-color-emoji" in first["error"]
     assert all(s["status"] == "skipped" for s in res["steps"][1:])
-    assert "apt-get install fonts-noto-color-emoji" in open(os.path.join(out, "report.md")).read()
+    assert "install the Debian package fonts-noto-color-emoji" in open(os.path.join(out, "report.md")).read()
 
 
 def test_ensure_demo_data_builds_only_what_is_missing(demo_data, tmp_path, monkeypatch):
-    import diffmm.data.demo_emoji as emoji
-    import diffmm.data.demo_fashion_mnist as fm
-    import diffmm.data.demo_text as text
+    import diffmm.demo.data as builders
     from diffmm.demo.data import ensure_demo_data
 
     calls = []
-    monkeypatch.setattr(emoji, "build_emoji", lambda out, styles, install: calls.append(("emoji", tuple(styles))))
-    monkeypatch.setattr(fm, "build_fashion_mnist", lambda out, install: calls.append(("fashion",)))
-    monkeypatch.setattr(text, "build_python_docs", lambda out, install: calls.append(("text",)))
+    monkeypatch.setattr(builders, "build_emoji", lambda out, styles: calls.append(("emoji", tuple(styles))))
+    monkeypatch.setattr(builders, "build_fashion_mnist", lambda out: calls.append(("fashion",)))
+    monkeypatch.setattr(builders, "build_python_docs", lambda out: calls.append(("text",)))
     assert ensure_demo_data(demo_data, ("clip", "lm"), ("s1", "s2", "held")) == {}
     assert calls == []
     ensure_demo_data(demo_data, ("clip",), ("s1", "other"))
     assert calls == [("emoji", ("other",))]
     calls.clear()
-    ensure_demo_data(str(tmp_path), ("clip", "lm"), ("s1",), install=False)
+    ensure_demo_data(str(tmp_path), ("clip", "lm"), ("s1",))
     assert calls == [("emoji", ("s1",)), ("fashion",), ("text",)]
 
 

@@ -11,7 +11,7 @@ from diffmm.demo.pipeline import planned_steps
 def test_demo_recall_section(tmp_path):
     out = str(tmp_path / "report")
     cfg = DemoConfig(out=out, data=str(tmp_path / "nodata"), parts=("recall",), seeds=(0, 1), threads=1,
-                     install=False, recall_width=16, recall_heads=2, recall_layers=1, recall_vocab=16,
+                     recall_width=16, recall_heads=2, recall_layers=1, recall_vocab=16,
                      recall_train_seq_lens=(8,), recall_train_pairs=(2,), recall_eval_seq_lens=(8, 16),
                      recall_eval_pairs=(2,), recall_steps=3, recall_batch_tokens=64, recall_examples=4)
     assert planned_steps(cfg) == 2 * 3 + 1

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffmm.data import demo_emoji
-from diffmm.data.demo_fashion_mnist import CLASSES, build_fashion_mnist, read_idx
-from diffmm.data.demo_text import build_python_docs
+from diffmm.data.image_text import image_label_loader
 from diffmm.data.stats import DataStats
+from diffmm.data.system_data import NOTO_EMOJI_FONT, require_debian_file, require_npm_package
 from diffmm.data.tar_reader import iter_tar_samples
-from diffmm.data.sources import MissingSource, ensure_apt, ensure_npm
+from diffmm.data.text import TextDataset
+from diffmm.demo import datasets
+from diffmm.demo.datasets import build_fashion_mnist, build_python_docs
+from diffmm.eval.classnames import FASHION_MNIST_CLASSNAMES
 
 EMOJI_TEST = """# group: Smileys & Emotion
 # subgroup: face-smiling
@@ -54,10 +56,10 @@ def fake_sources(tmp_path):
 
 def test_emoji_parsing_keeps_fully_qualified_and_groups(tmp_path):
     src = fake_sources(tmp_path)
-    emojis = demo_emoji.parse_emoji_test(str(src / "emoji-test.txt"))
+    emojis = datasets.parse_emoji_test(str(src / "emoji-test.txt"))
     assert [e.key for e in emojis] == ["1f600", "263a_fe0f", "1f44d"]
-    assert len(demo_emoji.parse_emoji_test(str(src / "emoji-test.txt"), skin_tones=True)) == 4
-    kw = demo_emoji.parse_cldr_keywords(str(src / "cldr"))
+    assert len(datasets.parse_emoji_test(str(src / "emoji-test.txt"), skin_tones=True)) == 4
+    kw = datasets.parse_cldr_keywords(str(src / "cldr"))
     emojis[2].keywords = kw["👍"]
     assert emojis[2].caption() == "an emoji of thumbs up, +1, hand, thumb"
     assert emojis[0].group == "Smileys & Emotion" and emojis[2].subgroup == "hand-fingers-closed"
@@ -65,8 +67,8 @@ def test_emoji_parsing_keeps_fully_qualified_and_groups(tmp_path):
 
 def test_emoji_build_from_a_style_package(tmp_path):
     src = fake_sources(tmp_path)
-    counts = demo_emoji.build_emoji(str(tmp_path / "out"), styles=["google"], size=16, npm_dir=str(src / "npm"),
-                                    install=False, progress=False, emoji_test=str(src / "emoji-test.txt"),
+    counts = datasets.build_emoji(str(tmp_path / "out"), styles=["google"], size=16, npm_dir=str(src / "npm"),
+                                    progress=False, emoji_test=str(src / "emoji-test.txt"),
                                     cldr_dir=str(src / "cldr"))
     assert counts["styles"]["google"] == {"samples": 2, "missing_in_style": 1, "shards": 1,
                                           "pattern": str(tmp_path / "out" / "emoji" / "google" / "emoji-google-000000.tar")}
@@ -77,22 +79,31 @@ def test_emoji_build_from_a_style_package(tmp_path):
     assert Image.open(__import__("io").BytesIO(samples[0]["png"])).size == (16, 16)
 
 
-@pytest.mark.skipif(not os.path.exists(demo_emoji.NOTO_FONT),
-                    reason="needs Debian fonts-noto-color-emoji (apt-get install fonts-noto-color-emoji)")
+@pytest.mark.skipif(not os.path.exists(NOTO_EMOJI_FONT), reason="needs Debian fonts-noto-color-emoji (make demo-data)")
 def test_noto_renders_single_glyphs_and_rejects_unknown_sequences():
     from PIL import ImageFont
 
-    font = ImageFont.truetype(demo_emoji.NOTO_FONT, 109, layout_engine=ImageFont.Layout.RAQM)
-    img = demo_emoji.render_noto("\U0001F469\u200d\U0001F4BB", font)   # ZWJ sequence: one glyph
+    font = ImageFont.truetype(NOTO_EMOJI_FONT, 109, layout_engine=ImageFont.Layout.RAQM)
+    img = datasets.render_noto("\U0001F469\u200d\U0001F4BB", font)   # ZWJ sequence: one glyph
     assert img is not None and img.getbbox() is not None
-    assert demo_emoji.render_noto("AB", font) is None
+    assert datasets.render_noto("AB", font) is None
 
 
-def test_missing_packages_say_what_to_install(tmp_path):
-    with pytest.raises(MissingSource, match="apt-get install -y some-package"):
-        ensure_apt("some-package", str(tmp_path / "nothing"), install=False)
-    with pytest.raises(MissingSource, match=f"npm install --prefix {tmp_path} openmoji"):
-        ensure_npm("openmoji", str(tmp_path), install=False)
+def test_missing_packages_say_what_to_install(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="nothing not found: install the Debian package some-package"):
+        require_debian_file(str(tmp_path / "nothing"), "some-package")
+    with pytest.raises(FileNotFoundError, match=f"npm package openmoji .*npm install --prefix {tmp_path} openmoji"):
+        require_npm_package("openmoji", str(tmp_path))
+    # a builder stops with one line naming the missing file and its package, before writing anything
+    with pytest.raises(FileNotFoundError) as e:
+        datasets.build_emoji(str(tmp_path / "out"), styles=["openmoji"], npm_dir=str(tmp_path / "npm"),
+                               emoji_test=str(tmp_path / "none.txt"))
+    assert "none.txt not found: install the Debian package unicode-data" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    src = fake_sources(tmp_path)
+    with pytest.raises(FileNotFoundError, match="emoji style openmoji: .* install the npm package openmoji"):
+        datasets.build_emoji(str(tmp_path / "out"), styles=["openmoji"], npm_dir=str(src / "npm"),
+                               emoji_test=str(src / "emoji-test.txt"), cldr_dir=str(src / "cldr"), progress=False)
 
 
 def write_idx(path, array):
@@ -110,14 +121,14 @@ def test_fashion_mnist_from_idx(tmp_path):
                                  progress=False)
     assert counts["train"]["samples"] == 20 and counts["train"]["shards"] == 3 and counts["test"]["samples"] == 12
     info = json.load(open(tmp_path / "out" / "fashion-mnist" / "classes.json"))
-    assert info["classes"] == list(CLASSES) and info["templates"][0] == "a photo of a {}."
-    from diffmm.data.image_text import image_label_loader
-
+    assert info["classes"] == list(FASHION_MNIST_CLASSNAMES) and info["templates"][0] == "a photo of a {}."
     images, labels = next(iter(image_label_loader(counts["test"]["pattern"], 12, num_workers=0, image_size=28)))
     assert images.shape == (12, 3, 28, 28) and sorted(labels.tolist()) == sorted((np.arange(12) % 10).tolist())
-    (tmp_path / "bad.gz").write_bytes(gzip.compress(b"\x01\x02\x08\x01"))
-    with pytest.raises(ValueError, match="bad.gz: not an IDX file"):
-        read_idx(str(tmp_path / "bad.gz"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"\x01\x02\x08\x01"))
+    (tmp_path / "bad" / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\x01\x02\x08\x01"))
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz: not an IDX file"):
+        build_fashion_mnist(str(tmp_path / "out2"), source_dir=str(tmp_path / "bad"), progress=False)
 
 
 def test_python_docs_corpus_splits_and_tokenizer(tmp_path):
@@ -129,7 +140,5 @@ def test_python_docs_corpus_splits_and_tokenizer(tmp_path):
     c = info["counts"]
     assert c["train"]["documents"] + c["val"]["documents"] == 30 and c["val"]["documents"] > 0
     assert os.path.exists(tmp_path / "out" / "python-docs" / "tokenizer.json")
-    from diffmm.data.text import TextDataset
-
     ds = TextDataset(c["train"]["pattern"], 2, seq_len=16, tokenizer=str(tmp_path / "out" / "python-docs"))
     assert ds.samples_per_epoch == c["train"]["tokens"] // 17        # from tokens.json

@@ -11,6 +11,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from diffmm.data.stats import DataStats
 from diffmm.data.tar_reader import iter_tar_samples
+from diffmm.demo.datasets import STYLES
 
 
 def _first_samples(pattern: str, n: int, keys: list[str] | None = None) -> list[dict]:
@@ -33,20 +34,31 @@ def _image(sample: dict) -> Image.Image:
     return Image.open(io.BytesIO(sample[field])).convert("RGB")
 
 
-def demo_montage(data_dir: str, out_png: str, n_cols: int = 8, cell: int = 96) -> str:
-    """Draw rows of samples from ``data_dir`` (emoji styles, Fashion-MNIST) into ``out_png``; returns its path."""
+def draw_demo_montage(data: str = "data", out: str = "docs/img/demo_montage.png", n_cols: int = 8,
+                      cell: int = 96) -> str:
+    """Draw the same emoji in each art style and one Fashion-MNIST image per class into a PNG; prints and returns its path.
+
+    Args:
+        data: the demo data folder.
+        out: the PNG to write.
+        n_cols: samples per row.
+        cell: side of one cell in px.
+
+    Raises:
+        FileNotFoundError: no emoji or Fashion-MNIST shards under ``data``.
+    """
     font = ImageFont.load_default(size=11)
     rows: list[tuple[str, list[tuple[Image.Image, str]]]] = []
-    emoji_dir = os.path.join(data_dir, "emoji")
+    emoji_dir = os.path.join(data, "emoji")
     styles = sorted(d for d in os.listdir(emoji_dir)) if os.path.isdir(emoji_dir) else []
-    styles = [s for s in ("noto", "google", "twitter", "openmoji") if s in styles]
+    styles = [s for s in STYLES if s in styles]
     if styles:
         first = _first_samples(os.path.join(emoji_dir, styles[0], "*.tar"), n_cols)
         keys = [s["__key__"] for s in first]
         for style in styles:
             samples = _first_samples(os.path.join(emoji_dir, style, "*.tar"), n_cols, keys)
             rows.append((f"emoji/{style}", [(_image(s), s["txt"].decode()) for s in samples]))
-    fm = os.path.join(data_dir, "fashion-mnist", "test", "*.tar")
+    fm = os.path.join(data, "fashion-mnist", "test", "*.tar")
     if glob.glob(fm):
         picked: dict[int, dict] = {}
         for s in _first_samples(fm, 200):
@@ -54,7 +66,7 @@ def demo_montage(data_dir: str, out_png: str, n_cols: int = 8, cell: int = 96) -
         cells = [(_image(picked[c]), json.loads(picked[c]["json"])["class"]) for c in sorted(picked)][:n_cols]
         rows.append(("fashion-mnist", cells))
     if not rows:
-        raise FileNotFoundError(f"{data_dir}: no emoji or fashion-mnist shards to draw (build them with diffmm shards demo-all)")
+        raise FileNotFoundError(f"{data}: no emoji or fashion-mnist shards to draw (build them with diffmm shards demo-all)")
     label_w, text_h = 110, 40
     sheet = Image.new("RGB", (label_w + n_cols * cell, len(rows) * (cell + text_h)), "white")
     draw = ImageDraw.Draw(sheet)
@@ -67,6 +79,7 @@ def demo_montage(data_dir: str, out_png: str, n_cols: int = 8, cell: int = 96) -
             short = caption.replace("an emoji of ", "")
             draw.multiline_text((x + 2, y + cell - 2), "\n".join(textwrap.wrap(short, 16)[:3]), fill="black",
                                 font=font, spacing=1)
-    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    sheet.save(out_png)
-    return out_png
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    sheet.save(out)
+    print(f"wrote {out}")
+    return out
