@@ -13,23 +13,14 @@ Two modes, one script (run from the repo root with ``PYTHONPATH=.``):
 ``--device cuda``
     Attention *ops* in bf16. First correctness of the fused kernel against the fp32 reference
     (relative errors of the output and every gradient), then forward and forward+backward time
-    (``triton.testing.do_bench``, median ms), model TFLOP/s (SPEC section 4) and peak CUDA memory
+    (``triton.testing.do_bench``, median ms), model TFLOP/s (docs/kernels.md, section 3) and peak CUDA memory
     for: the fused ``triton`` kernel, the SDPA ``pair`` (two calls) and ``split`` layouts, the
     official flashdiff_2-style path (four SDPA calls with d-wide V halves) and standard SDPA
     attention of equal width; N in {1k, 4k, 16k}, d in {64, 128}, causal and not, 16k tokens per
     batch at width 2048. Results go to a markdown table and, incrementally, to ``--json``.
 
-``--tune``
-    Regenerates the CPU layout table of the ``sdpa`` backend (``diffmm/ops/cpu_tune.json``, shipped with the
-    package; :mod:`diffmm.ops.tune`): every layout (combined, split, pair, halves, flash2d) of the whole op
-    (fused head norm included), forward alone (no grad) and forward+backward, per mask kind, on the shapes of
-    diffmm's models and a sweep of N and d, at each ``--threads`` count; layouts are timed in interleaved
-    rounds in one process and the median wins. Prints the table with each layout's time relative to the best.
-
 Examples::
 
-    PYTHONPATH=. python scripts/bench_attention.py --tune                     # writes diffmm/ops/cpu_tune.json
-    PYTHONPATH=. python scripts/bench_attention.py --tune --threads 1 2 --json results/tune_cpu.json
     PYTHONPATH=. python scripts/bench_attention.py --device cpu --quick
     PYTHONPATH=. python scripts/bench_attention.py --device cuda --json bench_cuda.json
 """
@@ -48,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-sdpa-halves",
-             "diffmm-sdpa-flash2d", "diffmm-reference", "timm", "standard-sdpa"]
+CPU_IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm",
+             "standard-sdpa"]
 CUDA_IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "sdpa-combined", "official-4call", "standard-sdpa"]
 
 
@@ -57,7 +48,8 @@ CUDA_IMPLS = ["fused-triton", "sdpa-pair", "sdpa-split", "sdpa-combined", "offic
 
 
 def diff_flops(B: int, h: int, N: int, S: int, d: int, causal: bool, bwd: bool) -> float:
-    """SPEC 4: forward 12*N*S*d per differential head, backward 20*N*S*d; halved when causal."""
+    """Model FLOPs (docs/kernels.md, section 3): forward 12*N*S*d per differential head, backward 20*N*S*d;
+    halved when causal."""
     f = (12 + (20 if bwd else 0)) * B * h * N * S * d
     return f / 2 if causal else f
 
@@ -129,10 +121,8 @@ def cpu_child(impl: str, N: int, dim: int, heads: int, causal: bool, reps: int) 
         q = torch.empty(1, N, 2 * heads, dim // (2 * heads))
         res["auto_backend"] = select_backend(AttentionCall("diff", q, None, causal, q.shape[-1], 2 * q.shape[-1])).name
         if res["auto_backend"] == "sdpa":
-            from diffmm.ops._validate import prepare_mask
             from diffmm.ops.sdpa import _layout
-            spec = prepare_mask(None, causal, 1, heads, N, N, q.device, q.dtype)
-            res["auto_backend"] += "/" + _layout(q, None, spec, 1, N, N, heads, q.shape[-1], True)
+            res["auto_backend"] += "/" + _layout(None, q.device, N)
     res["fwd_peak_mb"] = _peak_rise_mb(fwd)
     res["fwdbwd_peak_mb"] = _peak_rise_mb(fwd_bwd)
     for name, fn in (("fwd_ms", fwd), ("fwdbwd_ms", fwd_bwd)):  # the memory runs above were the warm-up
@@ -418,7 +408,7 @@ def cuda_summary(rows: list[dict]) -> list[dict]:
 
 def cuda_table(result: dict) -> str:
     lines = [f"{result['device']}, bf16, {result['tokens']} tokens per batch, width {result['width']}, "
-             f"torch {result['torch']}, triton {result['triton']}; TFLOP/s from SPEC 4 model FLOPs", "",
+             f"torch {result['torch']}, triton {result['triton']}; TFLOP/s from the model FLOPs of docs/kernels.md", "",
              "| d | N | causal | path | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd peak MiB |",
              "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["timings"]:
@@ -460,34 +450,14 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="CPU: print torch.profiler's top K ops (self CPU time) of each --only layer, instead of timing")
     p.add_argument("--batch", type=int, default=1, help="CPU --profile: batch size")
-    p.add_argument("--tune", action="store_true", help="regenerate the CPU layout table of the sdpa backend")
-    p.add_argument("--tune-out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      "diffmm", "ops", "cpu_tune.json"),
-                   help="--tune: where to write the table (default: the packaged diffmm/ops/cpu_tune.json)")
-    p.add_argument("--threads", type=int, nargs="*", help="--tune: torch thread counts to measure (default: current)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="--tune: wall time (quiet machine), or the main thread's CPU time (busy machine, 1 thread)")
+    p.add_argument("--threads", type=int, help="CPU --profile: torch threads (default: current)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.profile:
         if args.threads:
-            torch.set_num_threads(args.threads[0])
+            torch.set_num_threads(args.threads)
         return profile_cpu(args)
-    if args.tune:
-        from cpu_tune_grid import run_tune, tune_table  # scripts/cpu_tune_grid.py
-        res = run_tune(args)
-        print()
-        print(tune_table(res))
-        with open(args.tune_out, "w") as fh:
-            json.dump(res, fh, indent=1)
-        print(f"\nwrote {args.tune_out}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(res, fh, indent=1)
-        from diffmm.ops.tune import clear_cache
-        clear_cache()
-        return 0
     if args.child:
         print(json.dumps(cpu_child(args.child, args.n[0], args.dim, args.heads, args.causal, args.reps)))
         return 0

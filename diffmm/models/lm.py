@@ -163,7 +163,7 @@ class DiffLM(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.block_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, theta=cfg.rope_theta)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -211,7 +211,7 @@ class DiffLM(nn.Module):
         if attn_mask is not None and (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (B, start_pos + T)):
             raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype}; expected "
                              f"bool key padding (B, start_pos + T) = ({B}, {start_pos + T})")
-        rope = self.rope.range(start_pos, T)  # cos, sin: (T, 1, head_dim) fp32, slices of a cached table
+        rope = self.rope.range(start_pos, T)  # cos, sin: (T, 1, head_dim) fp32
         x = self.wte(idx)  # (B, T, E)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, attn_mask, kv_caches[i] if kv_caches is not None else None)

@@ -1,4 +1,4 @@
-"""Differential attention (DIFF Transformer, SPEC section 1) as a self-contained layer."""
+"""Differential attention (DIFF Transformer, arXiv 2410.05258) as a self-contained layer."""
 from __future__ import annotations
 
 from typing import Final, Optional

@@ -1,4 +1,4 @@
-"""DIFF V2 attention (SPEC section 1b) as a layer with the same interface as :class:`DiffAttention`.
+"""DIFF V2 attention (unilm's ``Diff-Transformer-V2``) as a layer with the same interface as :class:`DiffAttention`.
 
 Width conventions (official unilm ``Diff-Transformer-V2``): V2 keeps the baseline Transformer's
 heads, head dim and kv heads, and doubles only the query maps. At width E with H standard heads of

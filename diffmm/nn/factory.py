@@ -25,7 +25,8 @@ def create_attention(attn_type: str, dim: int, num_heads: int, *, num_kv_heads: 
     """Build an attention layer for a Transformer of width ``dim`` with ``num_heads`` standard heads.
 
     A differential layer (``components == 2``) gets ``num_heads // 2`` heads of dim ``dim // num_heads``
-    (SPEC section 1: a DIFF model has half the heads of the Transformer it replaces, at the same width).
+    (as in the DIFF Transformer paper, arXiv 2410.05258: a DIFF model has half the heads of the Transformer it
+    replaces, at the same width).
 
     Args:
         attn_type: a key of ``ATTENTION_LAYERS`` (``'standard'``, ``'diff'``, ...).

@@ -1,4 +1,5 @@
-"""lambda_init schedules of differential attention (SPEC section 1)."""
+"""lambda of differential attention (DIFF Transformer, arXiv 2410.05258, section 2.1): the ``lambda_init``
+schedules and the re-parameterised ``lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init``."""
 from __future__ import annotations
 
 import math
@@ -22,28 +23,9 @@ def resolve_lambda_init(spec: str | float, layer: int) -> float:
     raise ValueError(f"lambda_init {spec!r} is unknown; expected 'depth', 'constant' or a number")
 
 
-class _LambdaFull(torch.autograd.Function):
-    """``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`` as one autograd node (the eager graph has ten)."""
-
-    @staticmethod
-    def forward(ctx, lq1, lk1, lq2, lk2, lambda_init: float):
-        ct = torch.promote_types(lq1.dtype, torch.float32)
-        vecs = [t.to(ct) for t in (lq1, lk1, lq2, lk2)]
-        e1 = torch.dot(vecs[0], vecs[1]).exp_()
-        e2 = torch.dot(vecs[2], vecs[3]).exp_()
-        ctx.save_for_backward(*vecs, e1, e2)
-        ctx.dtypes = (lq1.dtype, lk1.dtype, lq2.dtype, lk2.dtype)
-        return e1 - e2 + lambda_init
-
-    @staticmethod
-    def backward(ctx, g):
-        q1, k1, q2, k2, e1, e2 = ctx.saved_tensors
-        g1, g2 = g * e1, -g * e2
-        dt = ctx.dtypes
-        return (k1.mul(g1).to(dt[0]), q1.mul(g1).to(dt[1]), k2.mul(g2).to(dt[2]), q2.mul(g2).to(dt[3]), None)
-
-
 def lambda_full(lq1: torch.Tensor, lk1: torch.Tensor, lq2: torch.Tensor, lk2: torch.Tensor,
                 lambda_init: float) -> torch.Tensor:
-    """SPEC section 1's re-parameterised lambda as a 0-d tensor in fp32 (fp64 for fp64 vectors); differentiable."""
-    return _LambdaFull.apply(lq1, lk1, lq2, lk2, float(lambda_init))
+    """The re-parameterised lambda as a 0-d tensor in fp32 (fp64 for fp64 vectors); differentiable."""
+    ct = torch.promote_types(lq1.dtype, torch.float32)
+    q1, k1, q2, k2 = (t.to(ct) for t in (lq1, lk1, lq2, lk2))
+    return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + float(lambda_init)

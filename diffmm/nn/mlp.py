@@ -5,6 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.ops.activations import quick_gelu
+
 
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, no biases by default (LLaMA / DIFF LM)."""
@@ -17,29 +19,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _QuickGELUFn(torch.autograd.Function):
-    """``x * sigmoid(1.702 x) = silu(1.702 x) / 1.702`` on the fused SiLU kernels: the derivative is
-    ``silu'(1.702 x)``, one ``silu_backward`` pass (autograd of the plain formula takes five)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        z = x * 1.702
-        ctx.save_for_backward(z)
-        return F.silu(z).mul_(1 / 1.702)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (z,) = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(dy, z)
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)`` (equal to the plain formula up to rounding)."""
-    if torch.compiler.is_compiling():  # inductor fuses the plain formula itself
-        return x * torch.sigmoid(1.702 * x)
-    return _QuickGELUFn.apply(x)
 
 
 class QuickGELU(nn.Module):

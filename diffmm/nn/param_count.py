@@ -5,12 +5,9 @@ Closed forms (E = width, H standard heads, d = E / H, H_kv kv heads, no biases):
     standard  q E*E + k,v 2*E*H_kv*d + out E*E                      = 2E^2 + 2E*H_kv*d
     diff (V1) the same projections (H/2 heads of 2 components)  + 6d  (lambda_q1/k1/q2/k2, norm weight 2d)
     diff_v2   q 2E*E + k,v 2*E*H_kv*d + out E*E + lambda E*H        = 3E^2 + 2E*H_kv*d + E*H
-
-Run ``python -m diffmm.nn.param_count --dim 768 --heads 12`` for a table.
 """
 from __future__ import annotations
 
-import argparse
 from typing import Optional, Sequence
 
 import torch
@@ -54,37 +51,3 @@ def attention_param_report(dim: int, num_heads: int, num_kv_heads: Optional[int]
     for r in rows:
         r["vs_standard"] = None if base is None or r["params"] is None else r["params"] / base
     return rows
-
-
-def format_param_report(rows: list[dict]) -> str:
-    """A Markdown table of :func:`attention_param_report` rows."""
-    lines = ["| attention | heads | query maps | kv heads | head dim | params | vs standard |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if r["params"] is None:
-            lines.append(f"| {r['attn_type']} | n/a: {r['note']} | | | | | |")
-            continue
-        ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
-        lines.append(f"| {r['attn_type']} | {r['heads']} | {r['query_maps']} | {r['kv_heads']} | {r['head_dim']} | "
-                     f"{r['params']:,} | {ratio} |")
-    return "\n".join(lines)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Attention parameters of standard, DIFF V1 and DIFF V2 at equal width.")
-    p.add_argument("--dim", type=int, nargs="+", default=[768])
-    p.add_argument("--heads", type=int, nargs="+", default=[12], help="standard heads, one per --dim")
-    p.add_argument("--kv-heads", type=int, nargs="+", default=None, help="standard kv heads, one per --dim")
-    p.add_argument("--qkv-bias", action="store_true")
-    a = p.parse_args(argv)
-    if len(a.heads) != len(a.dim) or (a.kv_heads is not None and len(a.kv_heads) != len(a.dim)):
-        p.error("give one --heads (and --kv-heads) value per --dim")
-    for i, (dim, heads) in enumerate(zip(a.dim, a.heads)):
-        kv = None if a.kv_heads is None else a.kv_heads[i]
-        print(f"\nwidth {dim}, {heads} standard heads, {kv or heads} kv heads")
-        print(format_param_report(attention_param_report(dim, heads, kv, qkv_bias=a.qkv_bias)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

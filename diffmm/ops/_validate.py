@@ -11,31 +11,6 @@ import torch
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
-class DiffShapes:
-    """Sizes of one differential-attention call."""
-
-    B: int
-    N: int
-    S: int
-    h: int  # differential heads
-    h_kv: int  # differential kv heads (value heads)
-    d: int  # component head dim; V is 2d wide
-
-
-@dataclass(frozen=True)
-class AttnShapes:
-    """Sizes of one standard-attention call."""
-
-    B: int
-    N: int
-    S: int
-    H: int
-    H_kv: int
-    d: int
-    d_v: int
-
-
 def _fmt(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {str(t.dtype).replace('torch.', '')}, device {t.device}"
 
@@ -50,8 +25,8 @@ def _check_same(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
 def check_diff_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | float,
     norm_weight: torch.Tensor | None, lambda_init,
-) -> tuple[DiffShapes, torch.Tensor]:
-    """Validate a ``diff_attention`` call. Returns its sizes and ``lam`` as a 0-d tensor."""
+) -> torch.Tensor:
+    """Validate a ``diff_attention`` call. Returns ``lam`` as a 0-d tensor."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -92,10 +67,10 @@ def check_diff_inputs(
             raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}; expected (2*d,) = ({2 * d},)")
         if norm_weight.device != q.device:
             raise ValueError(f"norm_weight is on {norm_weight.device}; expected {q.device} like q")
-    return DiffShapes(B, N, S, h, h_kv, d), lam
+    return lam
 
 
-def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttnShapes:
+def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Validate a standard ``attention`` call: q (B, N, H, d), k (B, S, H_kv, d), v (B, S, H_kv, d_v)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -116,7 +91,6 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attn
         raise ValueError(f"q has {H} heads and k has {H_kv}; expected H divisible by H_kv")
     _check_same("k", k, q)
     _check_same("v", v, q)
-    return AttnShapes(B, N, S, H, H_kv, d, v.shape[3])
 
 
 @dataclass

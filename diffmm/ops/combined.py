@@ -18,8 +18,8 @@ preallocated score buffer, the softmax and its backward run in place (fused ATen
 is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products instead of
 the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node (no per-op graph).
 
-Everything runs in fp32 (fp64 for fp64 inputs). This is the sdpa backend's ``combined`` layout; the
-dispatch picks it per call (see :mod:`diffmm.ops.sdpa` and :mod:`diffmm.ops.tune`).
+Everything runs in fp32 (fp64 for fp64 inputs). This is the sdpa backend's ``combined`` layout, its default on
+CPU (see :mod:`diffmm.ops.sdpa`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from diffmm.ops._validate import MaskSpec
-from diffmm.ops.combined_small import small_backward, small_forward
 from diffmm.ops.epilogue import compute_dtype
 
 #: Target number of score elements (both maps, all heads of a batch) per chunk: 2^22 fp32 = 16 MiB (measured
@@ -39,7 +38,8 @@ CHUNK_ELEMENTS = 1 << 22
 #: instead of recomputing them (2^21 fp32 = 8 MiB per call; short sequences such as CLIP's).
 SAVE_MAPS_ELEMENTS = 1 << 21
 
-_softmax_out = torch.ops.aten._softmax.out
+#: ATen's fused softmax backward, ``grad_input = p * (dp - rowsum(p * dp))`` in one pass and in place (a private
+#: operator: docs/attention.md has the measured gain; tests/ops/test_private_ops.py checks it against autograd).
 _softmax_bwd_out = torch.ops.aten._softmax_backward_data.out
 _CAUSAL_BIAS: dict[tuple, torch.Tensor] = {}
 
@@ -108,7 +108,7 @@ class _Geometry:
             m = m[..., :s_vis]
             m = m.unflatten(1, (h_kv, g)) if m.shape[1] > 1 else m.unsqueeze(1)  # (B|1, h_kv|1, g|1, n|1, s_vis)
             s6.add_(m.to(s.dtype))  # additive (bool masks were converted once per call)
-        _softmax_out(s, -1, False, out=s)
+        torch.softmax(s, -1, out=s)  # in place
         return s.view(2, B * h_kv, g * n, s_vis), qc, kc
 
 
@@ -119,20 +119,17 @@ def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
 
 
-def _norm_forward(a: torch.Tensor, w: torch.Tensor | None, eps: float, out: torch.Tensor, perm) -> torch.Tensor:
-    """Per-head RMSNorm of ``a`` over its last dim, written as ``a * rstd * w`` into ``out`` = ``a.permute(perm)``'s
-    layout (B, N, h, 2d). Returns rstd (a's shape, last dim 1). The norm reads ``a``, the product writes ``out``
-    (the permutation rides on it), the weight is one pass over ``out``.
+def _norm_forward(a: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm of ``a`` (B, h, N, 2d) over its last dim, written as ``a * rstd * w`` into ``out`` in the
+    layer's layout (B, N, h, 2d). Returns rstd (B, h, N, 1). The norm reads ``a``, the product writes ``out`` (the
+    transpose rides on it), the weight is one pass over ``out``.
     """
     rstd = torch.linalg.vector_norm(a, 2, -1, keepdim=True).square_().div_(a.shape[-1]).add_(eps).rsqrt_()
-    torch.mul(a.permute(perm), rstd.permute(perm), out=out)
-    if w is not None:
-        out.mul_(w)
+    torch.mul(a.transpose(1, 2), rstd.transpose(1, 2), out=out).mul_(w)
     return rstd
 
 
-def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor | None,
-                   want_dw: bool):
+def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, want_dw: bool):
     """Backward of ``y = a * rstd * w`` (per-row RMSNorm over the last dim), in a's (B, h, N, 2d) layout.
 
     ``dy`` may be a strided view (the transposed output gradient). Returns (da, dw); da is contiguous like a.
@@ -140,13 +137,8 @@ def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: tor
     t = torch.mul(dy, a, out=torch.empty_like(a))  # contiguous, whatever dy's strides
     rows = t.view(-1, t.shape[-1])
     dw = torch.mv(rows.t(), rstd.view(-1)) if want_dw else None  # sum(dy * a * rstd) over rows
-    da = torch.empty_like(a)
-    if w is not None:
-        dot = torch.mv(rows, w).view(rstd.shape)  # rowsum(dy * w * a)
-        torch.mul(dy, w, out=da).mul_(rstd)
-    else:
-        dot = t.sum(-1, keepdim=True)
-        torch.mul(dy, rstd, out=da)
+    dot = torch.mv(rows, w).view(rstd.shape)  # rowsum(dy * w * a)
+    da = torch.mul(dy, w, out=torch.empty_like(a)).mul_(rstd)
     coef = rstd.pow(3).mul_(dot).div_(-a.shape[-1])  # -rstd^3 * mean(dy w a)
     return da.addcmul_(a, coef), dw
 
@@ -236,78 +228,60 @@ def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dty
 
 class _CombinedDiffAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lam, w, w_scale, mask, is_causal, norm, eps, empty_rows, grad_wanted):
-        # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,) or None: the norm weight, used
-        # as w * w_scale (the (1 - lambda_init) factor, a float; a tensor lambda_init arrives folded into w);
-        # empty_rows: bool (B|1, 1, N, 1) or None
+    def forward(ctx, q, k, v, lam, w, mask, is_causal, norm, eps, empty_rows, grad_wanted):
+        # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,): the norm weight with
+        # (1 - lambda_init) folded in (None without the norm); empty_rows: bool (B|1, 1, N, 1) or None
         B, N, H2, d = q.shape
         S, h_kv = k.shape[1], k.shape[2] // 2
         h = H2 // 2
         ct = compute_dtype(q.dtype)
         geo = _Geometry(B, h_kv, h // h_kv, N, S, d, mask, is_causal, grad_wanted)
         lam_dtype, lam = lam.dtype, lam.to(ct)
-        # One chunk of fp32/fp64 whose maps stay for the backward (or no backward): the products read q, k, v in
-        # place (diffmm/ops/combined_small.py)
-        small = geo.single_chunk and q.dtype == ct and (geo.keep_maps or not grad_wanted)
-        if small:
-            causal_bias = _causal_bias(N, ct, q.device) if is_causal else None
-            a, maps, combined = small_forward(q, k, v, lam, mask, causal_bias, empty_rows)  # a (h, B, N, 2d)
-            inputs, perm = (q, k, v), (1, 2, 0, 3)
-        else:
-            a, inputs, maps, combined = _chunked_forward(q, k, v, lam, geo, ct)  # a (B, h, N, 2d)
-            if empty_rows is not None:
-                a.masked_fill_(empty_rows, 0.0)
-            perm = (0, 2, 1, 3)
-        y = torch.empty(B, N, h, 2 * d, dtype=q.dtype, device=q.device)  # the layer's layout (a.permute(perm))
-        rstd = w_eff = None
+        a, copies, maps, combined = _chunked_forward(q, k, v, lam, geo, ct)  # a (B, h, N, 2d)
+        if empty_rows is not None:
+            a.masked_fill_(empty_rows, 0.0)
+        y = torch.empty(B, N, h, 2 * d, dtype=q.dtype, device=q.device)  # the layer's layout (a transposed)
+        rstd = w_ct = None
         if norm:
-            if w is not None:
-                w_eff = w.to(ct) if w_scale == 1.0 else w.to(ct) * w_scale
-            elif w_scale != 1.0:
-                w_eff = torch.full((2 * d,), w_scale, dtype=ct, device=q.device)
-            rstd = _norm_forward(a, w_eff, eps, y, perm)
+            w_ct = w.to(ct)
+            rstd = _norm_forward(a, w_ct, eps, y)
         else:
-            y.copy_(a.permute(perm))
+            y.copy_(a.transpose(1, 2))
             a = None
-        ctx.save_for_backward(*inputs, lam, w_eff, a, rstd, maps, combined)
-        ctx.geo, ctx.norm, ctx.empty_rows, ctx.w_scale, ctx.small, ctx.perm = geo, norm, empty_rows, w_scale, small, perm
+        ctx.save_for_backward(*copies, lam, w_ct, a, rstd, maps, combined)
+        ctx.geo, ctx.norm, ctx.empty_rows = geo, norm, empty_rows
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype, None if w is None else w.dtype)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x1, x2, x3, lam, w, a, rstd, maps, combined = ctx.saved_tensors
+        q12, k12, vt, lam, w, a, rstd, maps, combined = ctx.saved_tensors
         ct = lam.dtype
         q_dt, k_dt, v_dt, lam_dt, w_dt = ctx.dtypes
-        perm = ctx.perm
-        dyt = dy.permute(*(perm.index(i) for i in range(4)))  # a view in the layout of a
+        dyt = dy.transpose(1, 2)  # (B, h, N, 2d): a view in the layout of a
         if dyt.dtype != ct:
             dyt = dyt.to(ct)
         dw = None
         if ctx.norm:
-            da, dw = _norm_backward(dyt, a, rstd, w, w_dt is not None and ctx.needs_input_grad[4])
+            da, dw = _norm_backward(dyt, a, rstd, w, ctx.needs_input_grad[4])
             if dw is not None:
-                dw = (dw if ctx.w_scale == 1.0 else dw.mul_(ctx.w_scale)).to(w_dt)
+                dw = dw.to(w_dt)
         else:
             da = dyt.contiguous()
-        empty_rows = ctx.empty_rows
-        if empty_rows is not None:
-            da.masked_fill_(empty_rows.transpose(0, 1) if ctx.small else empty_rows, 0.0)
-        if ctx.small:
-            dq, dk, dv, dlam = small_backward(da, x1, x2, x3, lam, maps, combined)
-        else:
-            dq, dk, dv, dlam = _chunked_backward(da, x1, x2, x3, lam, maps, combined, ctx.geo, (q_dt, k_dt, v_dt))
-        return dq, dk, dv, dlam.to(lam_dt), dw, None, None, None, None, None, None, None
+        if ctx.empty_rows is not None:
+            da = da.masked_fill(ctx.empty_rows, 0.0)  # not in place: da may be dy itself
+        dq, dk, dv, dlam = _chunked_backward(da, q12, k12, vt, lam, maps, combined, ctx.geo, (q_dt, k_dt, v_dt))
+        return dq, dk, dv, dlam.to(lam_dt), dw, None, None, None, None, None, None
 
 
 def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, s_vis: int) -> None:
-    """``out[:, :s_vis] += x @ y`` where rows ``[seen, s_vis)`` of ``out`` are still unwritten.
+    """``out[:, :s_vis] += x @ y`` where rows ``[seen, s_vis)`` of ``out`` are still unwritten (``seen <= s_vis``).
 
     ``out[:, :s_vis]`` is not contiguous across the batch when ``s_vis < S`` (causal chunks), and a batched
     matmul into such a view runs one GEMM per batch entry; so the product goes to a contiguous temporary first.
     """
-    if s_vis == out.shape[1]:  # the whole (contiguous) out
+    if s_vis == out.shape[1] and seen in (0, s_vis):  # the whole (contiguous) out, unwritten or all written
         if seen == 0:
             torch.bmm(x, y, out=out)
         else:
@@ -345,27 +319,24 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     Returns:
         (B, N, h, 2d) in q's dtype; rows that see no key are 0.
     """
-    norm = lambda_init is not None
-    w, w_scale = None, 1.0
-    if norm:
-        if isinstance(lambda_init, torch.Tensor):
-            # a tensor lambda_init: (1 - lambda_init) folded into the weight by autograd, so it gets its gradient
-            ones = torch.ones(2 * q.shape[-1], dtype=compute_dtype(q.dtype), device=q.device)
-            w = (norm_weight if norm_weight is not None else ones) * (1.0 - lambda_init)
-        else:  # a number: the node applies it (no autograd op per call)
-            w, w_scale = norm_weight, 1.0 - float(lambda_init)
     ct = compute_dtype(q.dtype)
+    norm = lambda_init is not None
+    w = None
+    if norm:  # (1 - lambda_init) folded into the weight: autograd carries it to norm_weight (and a tensor lambda_init)
+        base = norm_weight if norm_weight is not None else torch.ones(2 * q.shape[-1], dtype=ct, device=q.device)
+        w = base * (1.0 - lambda_init)
     mask, is_causal = spec.mask, spec.is_causal
     if (causal and attn_mask is not None and attn_mask.dtype == torch.bool and q.shape[1] == k.shape[1]):
         mask, is_causal = _additive(attn_mask.to(q.device)[:, None, None, :], ct), True  # (B, 1, 1, S)
     elif mask is not None and mask.dtype == torch.bool:
         mask = _additive(mask, ct)
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, w))
-    return _apply(q, k, v, lam, w, w_scale, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
+    return _apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
 
 
 @torch.compiler.disable
-def _apply(*args):
+def _apply(q, *args):
     """The autograd node runs eagerly under ``torch.compile`` (its in-place buffer reuse is not traceable; the
-    projections, norms and MLPs around it still compile)."""
-    return _CombinedDiffAttention.apply(*args)
+    projections, norms and MLPs around it still compile), and outside autocast (it sets its own precision)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _CombinedDiffAttention.apply(q, *args)

@@ -1,4 +1,4 @@
-"""DIFF V2 attention (SPEC section 1b): one standard attention call over 2h query heads, then a
+"""DIFF V2 attention (unilm's ``Diff-Transformer-V2``): one standard attention call over 2h query heads, then a
 pairwise epilogue ``O[2i] - sigmoid(lam_i) * O[2i+1]`` in fp32.
 
 Because the heavy work is a plain GQA attention call, V2 runs on every backend that implements

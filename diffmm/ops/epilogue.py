@@ -23,17 +23,6 @@ def diff_epilogue(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor, *, norm
     """
     ct = compute_dtype(o1.dtype)
     a = o1.to(ct) - lam.to(ct) * o2.to(ct)  # (B, h, N, 2d)
-    return head_epilogue(a, norm_weight=norm_weight, lambda_init=lambda_init, eps=eps, empty_rows=empty_rows,
-                         out_dtype=out_dtype or o1.dtype)
-
-
-def head_epilogue(a: torch.Tensor, *, norm_weight=None, lambda_init=None, eps: float = 1e-5, empty_rows=None,
-                  out_dtype=None) -> torch.Tensor:
-    """The per-head part of the epilogue on ``A = (A1 - lam A2) V`` (B, h, N, 2d), already in fp32 or wider.
-
-    Returns (B, N, h, 2d) in ``out_dtype`` (default a's dtype).
-    """
-    out_dtype = out_dtype or a.dtype
     if lambda_init is not None:
         a = a * torch.rsqrt(a.pow(2).mean(dim=-1, keepdim=True) + eps)
         if norm_weight is not None:
@@ -41,4 +30,4 @@ def head_epilogue(a: torch.Tensor, *, norm_weight=None, lambda_init=None, eps: f
         a = a * (1.0 - lambda_init)
     if empty_rows is not None:
         a = a.masked_fill(empty_rows, 0.0)
-    return a.transpose(1, 2).to(out_dtype)
+    return a.transpose(1, 2).to(out_dtype or o1.dtype)

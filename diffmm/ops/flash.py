@@ -37,7 +37,7 @@ def unsupported_reason(q, attn_mask=None, head_dim=None) -> str | None:
 
 
 def diff_attention_flash(q, k, v, lam, *, causal=False, attn_mask=None, norm_weight=None,
-                         lambda_init=None, eps=1e-5, shapes=None) -> torch.Tensor:
+                         lambda_init=None, eps=1e-5) -> torch.Tensor:
     """Differential attention with one flash-attn call. Shapes as in :func:`diffmm.ops.diff_attention`."""
     h, d = q.shape[2] // 2, q.shape[3]
     q1, q2 = q[:, :, 0::2], q[:, :, 1::2]  # (B, N, h, d)
@@ -53,6 +53,6 @@ def diff_attention_flash(q, k, v, lam, *, causal=False, attn_mask=None, norm_wei
     return diff_epilogue(o1, o2, lam, norm_weight=norm_weight, lambda_init=lambda_init, eps=eps, out_dtype=q.dtype)
 
 
-def attention_flash(q, k, v, *, causal=False, attn_mask=None, scale=None, shapes=None) -> torch.Tensor:
+def attention_flash(q, k, v, *, causal=False, attn_mask=None, scale=None) -> torch.Tensor:
     """Standard attention with flash-attn. q (B, N, H, d), k/v (B, S, H_kv, d)."""
     return _flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)

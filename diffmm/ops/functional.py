@@ -1,5 +1,5 @@
 """The two public attention ops. Shapes and the layout of components are the contract every
-backend implements (SPEC section 1)."""
+backend implements (docs/attention.md)."""
 from __future__ import annotations
 
 import torch
@@ -30,10 +30,11 @@ def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch
     Returns:
         (B, N, h, 2d) in q's dtype. Softmax, subtraction and norm run in fp32 (or fp64).
     """
-    shapes, lam = check_diff_inputs(q, k, v, lam, norm_weight, lambda_init)
-    impl = select_backend(AttentionCall("diff", q, attn_mask, causal, shapes.d, 2 * shapes.d), backend)
+    lam = check_diff_inputs(q, k, v, lam, norm_weight, lambda_init)
+    d = q.shape[-1]
+    impl = select_backend(AttentionCall("diff", q, attn_mask, causal, d, 2 * d), backend)
     return impl.diff(q, k, v, lam, causal=causal, attn_mask=attn_mask, norm_weight=norm_weight,
-                     lambda_init=lambda_init, eps=eps, shapes=shapes)
+                     lambda_init=lambda_init, eps=eps)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -49,6 +50,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Returns:
         (B, N, H, d_v) in q's dtype.
     """
-    shapes = check_attn_inputs(q, k, v)
-    impl = select_backend(AttentionCall("standard", q, attn_mask, causal, shapes.d, shapes.d_v), backend)
-    return impl.standard(q, k, v, causal=causal, attn_mask=attn_mask, scale=scale, shapes=shapes)
+    check_attn_inputs(q, k, v)
+    impl = select_backend(AttentionCall("standard", q, attn_mask, causal, q.shape[-1], v.shape[-1]), backend)
+    return impl.standard(q, k, v, causal=causal, attn_mask=attn_mask, scale=scale)

@@ -1,5 +1,6 @@
-"""The ``reference`` backend: eager math with an fp32 (or wider) softmax. It is the spec in code
-(SPEC section 1) and the oracle every other backend is tested against."""
+"""The ``reference`` backend: eager math with an fp32 (or wider) softmax. It is the formula of the DIFF
+Transformer paper (arXiv 2410.05258, eq. 1 and its per-head norm) in code, and the oracle every other backend is
+tested against."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def _masked_softmax(scores: torch.Tensor, spec) -> torch.Tensor:
 
 
 def diff_attention_reference(q, k, v, lam, *, causal=False, attn_mask=None, norm_weight=None,
-                             lambda_init=None, eps=1e-5, shapes=None) -> torch.Tensor:
+                             lambda_init=None, eps=1e-5) -> torch.Tensor:
     """Differential attention by the book. Shapes as in :func:`diffmm.ops.diff_attention`."""
     B, N, H2, d = q.shape
     S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
@@ -42,7 +43,7 @@ def diff_attention_reference(q, k, v, lam, *, causal=False, attn_mask=None, norm
                          empty_rows=spec.empty_rows, out_dtype=q.dtype)
 
 
-def attention_reference(q, k, v, *, causal=False, attn_mask=None, scale=None, shapes=None) -> torch.Tensor:
+def attention_reference(q, k, v, *, causal=False, attn_mask=None, scale=None) -> torch.Tensor:
     """Standard softmax attention. q (B, N, H, d), k (B, S, H_kv, d), v (B, S, H_kv, d_v) -> (B, N, H, d_v)."""
     B, N, H, d = q.shape
     S, H_kv = k.shape[1], k.shape[2]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -29,7 +30,7 @@ class AttentionCall:
     """What the dispatcher knows about one call."""
 
     op: str  # "diff" or "standard"
-    q: torch.Tensor
+    q: torch.Tensor  # backends read only its device, dtype and shape
     attn_mask: Optional[torch.Tensor]
     causal: bool
     head_dim: int
@@ -42,7 +43,7 @@ class AttentionBackend:
 
     Attributes:
         name: registry key, e.g. ``"sdpa"``.
-        diff: implementation of :func:`diffmm.ops.diff_attention` (same signature plus ``shapes=``), or None.
+        diff: implementation of :func:`diffmm.ops.diff_attention` (same signature), or None.
         standard: implementation of :func:`diffmm.ops.attention`, or None.
         unsupported: returns None when the backend can run the call, else the reason (one line).
         description: one line for ``available_backends()`` listings.
@@ -86,21 +87,9 @@ def list_backends(op: str | None = None) -> list[str]:
 def available_backends(op: str = "diff", device: str | torch.device = "cpu",
                        dtype: torch.dtype = torch.float32) -> dict[str, Optional[str]]:
     """For each backend implementing ``op``: None if it can run a plain call on ``device``/``dtype``, else why not."""
-    q = torch.empty(1, 1, 2, 64, device="meta", dtype=dtype)
-    dev = torch.device(device)
-    q = _DeviceProxy(q, dev)
+    q = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 1, 2, 64))  # nothing allocated
     call = AttentionCall(op, q, None, False, 64, 128 if op == "diff" else 64)
     return {n: _BACKENDS[n].unsupported(call) for n in list_backends(op)}
-
-
-class _DeviceProxy:
-    """A stand-in for q that reports a device without allocating on it."""
-
-    def __init__(self, t: torch.Tensor, device: torch.device):
-        self._t, self.device = t, device
-
-    def __getattr__(self, item):
-        return getattr(self._t, item)
 
 
 def select_backend(call: AttentionCall, backend: str | None = None) -> AttentionBackend:

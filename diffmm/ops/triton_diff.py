@@ -1,6 +1,6 @@
 """The ``triton`` backend: one fused Triton kernel for differential attention, forward and backward.
 
-Both softmax maps are computed in a single pass over K/V (SPEC section 4); the subtraction, the
+Both softmax maps are computed in a single pass over K/V (docs/kernels.md); the subtraction, the
 per-head RMSNorm and the ``(1 - lambda_init)`` scale run in the kernel's fp32 epilogue. The
 kernels live in :mod:`diffmm.ops.triton_diff_fwd` and :mod:`diffmm.ops.triton_diff_bwd`; this
 module wraps them as two ``torch.library`` custom ops (so ``torch.compile`` treats them as opaque
@@ -133,7 +133,7 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
 
 
 def diff_attention_triton(q, k, v, lam, *, causal=False, attn_mask=None, norm_weight=None, lambda_init=None,
-                          eps=1e-5, shapes=None) -> Tensor:
+                          eps=1e-5) -> Tensor:
     """Differential attention with the fused kernel. Shapes and semantics as in :func:`diffmm.ops.diff_attention`."""
     d = q.shape[-1]
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)

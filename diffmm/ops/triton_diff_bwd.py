@@ -1,4 +1,4 @@
-"""Backward Triton kernels of fused differential attention (SPEC section 4).
+"""Backward Triton kernels of fused differential attention (design and FLOP model: docs/kernels.md).
 
 Three launches, all deterministic (no atomics; partial sums are reduced with torch):
 

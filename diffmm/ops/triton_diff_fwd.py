@@ -1,4 +1,4 @@
-"""Forward Triton kernel of fused differential attention (SPEC section 4).
+"""Forward Triton kernel of fused differential attention (design and FLOP model: docs/kernels.md).
 
 One program owns ``BLOCK_M`` query rows of one differential head. It keeps two online-softmax
 states ``(m_j, l_j)`` and two fp32 accumulators ``O_j`` (2d wide) that share every loaded K/V tile,

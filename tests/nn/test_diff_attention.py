@@ -54,7 +54,7 @@ def test_lambda_init_schedule():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_lambda_full_matches_eager_formula(dtype):
-    """The fused lambda node: value and gradients of ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init`` (SPEC 1)."""
+    """lambda: value, dtype and gradients of ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init`` (arXiv 2410.05258)."""
     torch.manual_seed(0)
     vecs = [(torch.randn(16, dtype=torch.float64) * 0.3).to(dtype).requires_grad_() for _ in range(4)]
     ours = lambda_full(*vecs, 0.35)

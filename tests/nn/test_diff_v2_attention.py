@@ -1,5 +1,5 @@
-"""DiffV2Attention against an eager float64 layer written from SPEC section 1b; KV-cache decoding; factory and
-parameter accounting."""
+"""DiffV2Attention against an eager float64 layer written from the DIFF V2 formula (unilm's Diff-Transformer-V2);
+KV-cache decoding; factory and parameter accounting."""
 import math
 
 import pytest
@@ -20,7 +20,7 @@ def rope_eager(x, pos, theta=10000.0):
 
 
 def layer_eager(m, x, *, causal, pad=None, rope_pos=None):
-    """SPEC 1b from the layer's weights, head by head."""
+    """DIFF V2 from the layer's weights, head by head."""
     B, N, _ = x.shape
     h, hk, d = m.num_heads, m.num_kv_heads, m.head_dim
     lin = lambda p, t: t @ p.weight.T + (p.bias if p.bias is not None else 0)  # noqa: E731

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import diffmm.ops as ops
-from diffmm.ops.sdpa import diff_attention_sdpa
+from diffmm.ops.sdpa import LAYOUTS, diff_attention_sdpa
 
 F64 = torch.float64
 
@@ -33,7 +33,7 @@ def _layout_fn(layout):
     return lambda *a, **kw: diff_attention_sdpa(*a, layout=layout, **kw)
 
 
-UNFUSED = [(f"sdpa-{lay}", _layout_fn(lay)) for lay in ("split", "pair", "combined", "halves", "flash2d")] + [
+UNFUSED = [(f"sdpa-{lay}", _layout_fn(lay)) for lay in LAYOUTS] + [
     ("sdpa-dispatch", lambda *a, **kw: ops.diff_attention(*a, backend="sdpa", **kw))]
 
 
@@ -60,6 +60,74 @@ def test_backend_matches_reference_fp64(name, fn, causal, case):
     torch.testing.assert_close(grads[3], ref_grads[3], atol=1e-9, rtol=1e-9)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mask", ["none", "causal", "padding", "additive"])
+@pytest.mark.parametrize("h,d", [(2, 32), (8, 64)])
+def test_every_layout_matches_reference_with_norm_weight(layout, mask, h, d):
+    """Every sdpa layout against the float64 reference at the head dims of diffmm's models, for each mask kind,
+    with GQA and the fused head norm: the output and the gradients of q, k, v, lam and the norm weight."""
+    g = torch.Generator().manual_seed(h + d)
+    B, N, h_kv = 2, 48, h // 2
+    q = torch.randn(B, N, 2 * h, d, generator=g, dtype=F64, requires_grad=True)
+    k = torch.randn(B, N, 2 * h_kv, d, generator=g, dtype=F64, requires_grad=True)
+    v = torch.randn(B, N, h_kv, 2 * d, generator=g, dtype=F64, requires_grad=True)
+    lam = torch.tensor(0.37, dtype=F64, requires_grad=True)
+    w = (torch.rand(2 * d, generator=g, dtype=F64) + 0.5).requires_grad_()
+    attn_mask = None
+    if mask == "padding":
+        attn_mask = torch.rand(B, N, generator=g) > 0.3
+        attn_mask[0, :3] = False  # left padding: the first causal rows of sequence 0 see no key
+    elif mask == "additive":
+        attn_mask = torch.randn(B, h, N, N, generator=g, dtype=F64)
+    kw = dict(causal=mask in ("causal", "padding"), attn_mask=attn_mask, norm_weight=w, lambda_init=0.3)
+    dy = torch.randn(B, N, h, 2 * d, generator=g, dtype=F64)
+    ref = ops.diff_attention_reference(q, k, v, lam, **kw)
+    out = diff_attention_sdpa(q, k, v, lam, layout=layout, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for n, a, b in zip(["q", "k", "v", "lam", "w"], torch.autograd.grad((out * dy).sum(), (q, k, v, lam, w)),
+                       torch.autograd.grad((ref * dy).sum(), (q, k, v, lam, w))):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+
+
+def test_combined_chunks_never_read_unwritten_memory(monkeypatch):
+    """Causal chunks write each key row of dK/dV before accumulating into it: with every fresh buffer filled with
+    NaN the gradients still match the reference (a row read before it is written would turn NaN)."""
+    import diffmm.ops.combined as combined
+    monkeypatch.setattr(combined, "CHUNK_ELEMENTS", 2 * 2 * 4 * 16 * 4)  # 4 rows per chunk (B=2, h=4, S=16)
+    monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 0)
+    q, k, v, lam, _ = make_inputs(N=16, h=4, h_kv=2)
+    ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=True)
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **kw: new_empty(t, *a, **kw).fill_(float("nan")))
+    out, grads = run_and_grads(_layout_fn("combined"), q, k, v, lam, causal=True)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    for n, a, b in zip(["q", "k", "v", "lam"], grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_combined_layout_ignores_autocast(monkeypatch, chunks):
+    """Under bf16 autocast (Lightning's bf16-mixed) the ``combined`` node still computes in fp32: its output and
+    gradients equal those of the same bf16 inputs without autocast."""
+    import diffmm.ops.combined as combined
+    if chunks > 1:
+        monkeypatch.setattr(combined, "CHUNK_ELEMENTS", 2 * 2 * 4 * 12 * 4)  # 4 rows per chunk
+        monkeypatch.setattr(combined, "SAVE_MAPS_ELEMENTS", 0)
+    q, k, v, lam, _ = make_inputs(N=12, h=4, h_kv=2, d=8, dtype=torch.float32)
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    w = torch.ones(16, requires_grad=True)
+    results = []
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = diff_attention_sdpa(q, k, v, lam, causal=True, norm_weight=w, lambda_init=0.2, layout="combined")
+        results.append((out, *torch.autograd.grad(out.float().sum(), (q, k, v, lam, w))))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", ["gqa", "pad", "float-mask"])
 def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, case):
@@ -82,13 +150,13 @@ def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, c
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
 
 
-@pytest.mark.parametrize("path", ["one-chunk", "chunked"])
+@pytest.mark.parametrize("path", ["maps-kept", "chunked"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lambda_init", [0.8, "tensor"])
 def test_combined_paths_with_norm_weight_match_reference(monkeypatch, path, causal, lambda_init):
-    """Both paths of ``combined`` (one chunk reading q/k/v in place; chunks over copies) with GQA, a per-head
-    additive mask with an empty row, and the fused head norm: output and gradients of q, k, v, lam, the norm
-    weight (and a tensor lambda_init) against the reference."""
+    """Both paths of ``combined`` (one chunk whose maps stay for the backward; chunks recomputed in the backward)
+    with GQA, a per-head additive mask with an empty row, and the fused head norm: output and gradients of q, k,
+    v, lam, the norm weight (and a tensor lambda_init) against the reference."""
     import diffmm.ops.combined as combined
     if path == "chunked":
         monkeypatch.setattr(combined, "CHUNK_ELEMENTS", 2 * 2 * 4 * 11 * 3)  # 3 rows per chunk
@@ -135,7 +203,8 @@ def test_combined_layout_memory_does_not_store_maps(monkeypatch):
 
 
 def naive_diff_attention(q, k, v, lam, causal=False, mask=None, norm_weight=None, lambda_init=None, eps=1e-5):
-    """Loop-per-head implementation written directly from SPEC section 1, independent of diffmm's reference."""
+    """Loop-per-head implementation written directly from the paper's formula (DIFF Transformer, arXiv 2410.05258,
+    eq. 1 and the per-head GroupNorm as RMSNorm), independent of diffmm's reference."""
     B, N, H2, d = q.shape
     S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
     out = torch.zeros(B, N, h, 2 * d, dtype=q.dtype)
@@ -158,7 +227,7 @@ def naive_diff_attention(q, k, v, lam, causal=False, mask=None, norm_weight=None
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_reference_matches_naive_spec(causal):
+def test_reference_matches_naive_loop(causal):
     q, k, v, lam, mask = make_inputs(B=2, N=7, S=9, h=4, h_kv=2, d=4, pad=True)
     w = torch.rand(8, dtype=F64) + 0.5
     ref = ops.diff_attention_reference(q, k, v, lam, causal=causal, attn_mask=mask, norm_weight=w, lambda_init=0.2)

@@ -1,4 +1,5 @@
-"""diff_v2_attention against an eager float64 reference written from SPEC section 1b, on every CPU backend
+"""diff_v2_attention against an eager float64 reference written from the DIFF V2 formula (unilm's
+Diff-Transformer-V2: head_i = softmax(Q_2i K^T) V - sigmoid(lam_i) softmax(Q_2i+1 K^T) V), on every CPU backend
 that runs standard attention."""
 import math
 
@@ -14,7 +15,7 @@ def cpu_standard_backends():
 
 
 def v2_eager(q, k, v, lam_logits, *, causal=False, pad=None, add_mask=None):
-    """SPEC 1b head by head: head_i = A_2i V_g - sigmoid(lam_i) A_2i+1 V_g, g = j // (2h / h_kv)."""
+    """DIFF V2 head by head: head_i = A_2i V_g - sigmoid(lam_i) A_2i+1 V_g, g = j // (2h / h_kv)."""
     B, N, H2, d = q.shape
     S, hkv = k.shape[1], k.shape[2]
     group = H2 // hkv

@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from diffmm.models.clip.blocks import VisionBlock
@@ -29,14 +28,7 @@ class PatchEmbed(nn.Module):
         if x.dim() != 4 or x.shape[1] != 3 or x.shape[-2:] != (self.image_size, self.image_size):
             raise ValueError(f"images have shape {tuple(x.shape)}; expected (B, 3, {self.image_size}, "
                              f"{self.image_size})")
-        B, C, p = x.shape[0], x.shape[1], self.patch_size
-        S = self.image_size // p * p
-        if S != self.image_size:  # as the strided conv: a remainder narrower than a patch is dropped
-            x = x[..., :S, :S]
-        # kernel = stride = patch: the convolution is one matmul over flattened patches (C, p, p order, like the
-        # conv weight); ~1.7x faster than the CPU conv forward + weight backward, and its output is already (B, P, W)
-        patches = x.reshape(B, C, S // p, p, S // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, self.num_patches, -1)
-        return F.linear(patches, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)  # (B, P, W)
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, P, W)
 
 
 class VisionTransformer(nn.Module):
