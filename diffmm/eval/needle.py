@@ -16,8 +16,8 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -57,24 +57,23 @@ class NeedleConfig:
 
 
 def load_haystack(paths: str | Sequence[str], max_chars: int = 2_000_000) -> list[str]:
-    """Sentences of real text from files or folders (``*.txt`` files, recursively, in sorted order)."""
+    """Sentences of real text from files or folders (``*.txt`` files, recursively, in sorted order), read until
+    ``max_chars`` characters."""
     files: list[str] = []
     for p in [paths] if isinstance(paths, str) else paths:
         if os.path.isdir(p):
-            for root, _, names in sorted(os.walk(p)):
-                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".txt")]
+            files += [os.path.join(d, n) for d, _, names in sorted(os.walk(p)) for n in sorted(names)
+                      if n.endswith(".txt")]
         elif os.path.isfile(p):
             files.append(p)
         else:
             raise EvalError(f"haystack: no such file or folder: {p}")
-    text, n = [], 0
+    text: list[str] = []
     for f in files:
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            t = fh.read()
-        text.append(t)
-        n += len(t)
-        if n >= max_chars:
+        if sum(map(len, text)) >= max_chars:
             break
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            text.append(fh.read())
     return split_sentences("\n".join(text))
 
 
@@ -138,9 +137,9 @@ class NeedleBuilder:
             raise EvalError(f"needle: no haystack sentence fits {budget} tokens; raise context_length")
         bounds = np.cumsum([0] + [len(s) for s in hay])  # token offsets of the sentence boundaries
         at = int(np.argmin(np.abs(bounds - depth * used)))  # boundary for the queried needles
-        slots: dict[int, list[int]] = {at: list(range(cfg.num_queried))}
-        rng_order = slots[at]
-        rng.shuffle(rng_order)
+        queried = list(range(cfg.num_queried))
+        rng.shuffle(queried)
+        slots: dict[int, list[int]] = {at: queried}
         for j in range(cfg.num_queried, cfg.num_needles):
             slots.setdefault(rng.randrange(len(hay) + 1), []).append(j)
         seq: list[int] = []
@@ -233,34 +232,27 @@ def multi_needle(model, tokenizer, haystack: Sequence[str], cfg: NeedleConfig, *
     stop = (tokenizer.eos_id,) if getattr(tokenizer, "eos_id", None) is not None else ()
     acc: dict[float, float] = {}
     att: dict[float, float] = {}
-    n_prompts = 0
     t0 = time.perf_counter()
-    bar = progress(None, total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles",
-                   enable=show_progress, unit="prompt") if show_progress else None
+    bar = progress(total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles", enable=show_progress,
+                   unit="prompt")
     for depth in cfg.depths:
         hits, shares = [], []
-        for _ in range(cfg.trials):
-            for p in builder.trial(depth, rng):
-                gen = greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop)
-                hits.append(_answered(tokenizer, gen, p.value))
-                if measure_attention:
-                    shares.append(answer_attention(model, p.tokens, p.span)["answer"])
-                n_prompts += 1
-                if bar is not None:
-                    bar.update(1)
+        for p in (p for _ in range(cfg.trials) for p in builder.trial(depth, rng)):
+            hits.append(_answered(tokenizer, greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop),
+                                  p.value))
+            if measure_attention:
+                shares.append(answer_attention(model, p.tokens, p.span)["answer"])
+            bar.update(1)
         acc[depth] = float(np.mean(hits))
         if shares:
             att[depth] = float(np.mean(shares))
-    if bar is not None:
-        bar.close()
-    return NeedleResult(asdict(cfg), acc, att, n_prompts, time.perf_counter() - t0)
+    bar.close()
+    return NeedleResult(asdict(cfg), acc, att, len(cfg.depths) * cfg.trials * cfg.num_queried,
+                        time.perf_counter() - t0)
 
 
 def needle_sweep(model, tokenizer, haystack: Sequence[str], context_lengths: Iterable[int], base: NeedleConfig,
                  **kwargs) -> dict[int, NeedleResult]:
     """:func:`multi_needle` at several context lengths (same N, R, depths and trials)."""
-    out = {}
-    for L in context_lengths:
-        cfg = NeedleConfig(**{**asdict(base), "context_length": int(L)})
-        out[int(L)] = multi_needle(model, tokenizer, haystack, cfg, **kwargs)
-    return out
+    return {int(L): multi_needle(model, tokenizer, haystack, replace(base, context_length=int(L)), **kwargs)
+            for L in context_lengths}
