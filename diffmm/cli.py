@@ -132,6 +132,17 @@ def parse(argv: list[str]) -> tuple[list[str], Callable, dict]:
     return names, target, node.as_dict()
 
 
+def _command_words(argv: list[str]) -> list[str]:
+    """The command words at the start of ``argv`` (``['eval', 'zeroshot']``), for error messages."""
+    words, level = [], COMMANDS
+    for word in argv:
+        if not isinstance(level, dict) or word not in level:
+            break
+        words.append(word)
+        level = level[word]
+    return words
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``diffmm``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -140,13 +151,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv:
         print(build_parser().format_help())
         return 0
-    words = [w for w in argv if not w.startswith("-")]
-    prog = " ".join(["diffmm", *words[:2 if words[0] in ("eval", "shards") else 1]])
     try:
         names, fn, kwargs = parse(argv)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
     except ArgumentError as e:
+        words = _command_words(argv)
         message = " ".join(str(e).split()).replace('Parser key "', "--").replace('": ', ": ")
-        message = message.replace(".".join(prog.split()[1:]) + ".", "")  # eval.zeroshot.data -> data
+        message = message.replace(".".join(words) + ".", "")  # "required: eval.zeroshot.data" -> "required: data"
+        prog = " ".join(["diffmm", *words])
         print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -15,9 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from diffmm.data.files import write_json_atomic
 from diffmm.eval.classnames import Template
-from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.common import markdown_table, model_device, progress
 from diffmm.eval.image_sources import ImageListSource
 from diffmm.eval.zeroshot import build_zero_shot_classifier, encode_images
 
@@ -51,12 +50,8 @@ class Predictions:
                                 for f, lab, pr in zip(self.files, self.labels, self.probs)],
                 "skipped": dict(self.skipped), "seconds": self.seconds}
 
-    def write(self, path: str, meta: Optional[dict] = None) -> str:
-        """Write ``.csv`` or ``.json`` (by the suffix; other suffixes are an error)."""
-        if path.lower().endswith(".json"):
-            return write_json_atomic(path, {**(meta or {}), **self.to_dict()})
-        if not path.lower().endswith(".csv"):
-            raise EvalError(f"--out {path}: expected a .csv or .json file name")
+    def write_csv(self, path: str) -> str:
+        """Write :meth:`header` and :meth:`rows` as CSV (atomically: through a temporary file); returns the path."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w", newline="") as f:

@@ -32,7 +32,7 @@ from diffmm.eval.image_sources import IdxSource, expand_image_inputs, open_image
 from diffmm.eval.linear_probe import extract_features, linear_probe_markdown
 from diffmm.eval.linear_probe import linear_probe as fit_linear_probe
 from diffmm.eval.loading import lm_tokenizer, load_clip, load_lm
-from diffmm.eval.needle import NeedleConfig, load_haystack, needle_sweep
+from diffmm.eval.needle import NeedleConfig, load_haystack, multi_needle
 from diffmm.eval.outliers import activation_outliers, outliers_markdown
 from diffmm.eval.perplexity import perplexity_markdown, perplexity_on_shards
 from diffmm.eval.plots import cls_attention, plot_attention_maps, plot_loss_curves, plot_needle_attention
@@ -203,13 +203,11 @@ def classify(images: list[str], *, model: str, pretrained: Optional[str] = None,
     if preds.skipped:
         reasons = ", ".join(f"{v} {k}" for k, v in preds.skipped.items())
         log.warning(f"skipped {sum(preds.skipped.values())} of {len(files)} images ({reasons})")
-    result = {"task": "classify", "model": model, "pretrained": pretrained,
-              "templates": [t if isinstance(t, str) else t("{}") for t in prompts], **preds.to_dict()}
-    if out:  # before printing: a closed stdout (`| head`) must not lose the rows
-        preds.write(out, result)
-    print(preds.to_markdown())
-    if out:
-        print(f"wrote {out} ({len(preds.files)} rows)", file=sys.stderr)
+    if out and out.lower().endswith(".csv"):  # before printing: a closed stdout (`| head`) must not lose the rows
+        print(f"wrote {preds.write_csv(out)}", file=sys.stderr)
+    result = report({"task": "classify", "model": model, "pretrained": pretrained,
+                     "templates": [t if isinstance(t, str) else t("{}") for t in prompts], **preds.to_dict()},
+                    preds.to_markdown(), out if out and out.lower().endswith(".json") else None)
     if not preds.files:
         raise EvalError(f"none of the {len(files)} images could be read")
     return result
@@ -256,10 +254,12 @@ def needle(*, lm: str, tokenizer: Optional[str] = None, haystack: Sequence[str] 
     """
     tok = lm_tokenizer(lm, tokenizer)
     net = load_lm(lm, vocab_size=tok.vocab_size, device=device, seed=seed)
-    base = NeedleConfig(num_needles=needles, num_queried=queried, depths=tuple(depths), trials=trials, seed=seed,
-                        max_new_tokens=max_new_tokens)
-    runs = needle_sweep(net, tok, load_haystack(haystack, max_chars=haystack_chars), context_length, base,
-                        measure_attention=attention, show_progress=progress)
+    sentences = load_haystack(haystack, max_chars=haystack_chars)
+    runs = {}
+    for L in context_length:
+        cfg = NeedleConfig(context_length=L, num_needles=needles, num_queried=queried, depths=tuple(depths),
+                           trials=trials, seed=seed, max_new_tokens=max_new_tokens)
+        runs[L] = multi_needle(net, tok, sentences, cfg, measure_attention=attention, show_progress=progress)
     if plot:
         plot_needle_attention({f"{lm} @ {L}": {"attention": r.attention_by_depth, "accuracy": r.accuracy_by_depth}
                                for L, r in runs.items()}, plot)

@@ -82,10 +82,9 @@ def test_cli_bad_input_one_line_errors(tmp_path, capsys):
     rc = main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--data", root, "--batch_size", "many"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("diffmm eval zeroshot: error: --batch_size:"), err
-    with pytest.raises(SystemExit) as e:
-        main(["eval", "zeroshot", "--help"])
+    assert main(["eval", "zeroshot", "--help"]) == 0
     out = capsys.readouterr().out
-    assert e.value.code == 0 and "--label_field" in out and "the IDX split: train or test" in out
+    assert "--label_field" in out and "the IDX split: train or test" in out
     assert "show a progress bar" in out  # the shared options are documented too
 
 
