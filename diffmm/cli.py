@@ -36,6 +36,8 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 INPUT_ERRORS = (ValueError, KeyError, OSError)
 
 
+# Until diffmm.demo.run_demo takes these arguments itself (the demo's own rewrite), ``diffmm demo`` builds the
+# DemoConfig of today's diffmm.demo here.
 def demo(out: str = "report", quick: bool = False, data: str = "data",
          parts: Optional[list[Literal["clip", "lm", "recall"]]] = None, seeds: Optional[list[int]] = None,
          clip_steps: Optional[int] = None, lm_steps: Optional[int] = None, holdout: Optional[str] = None,
