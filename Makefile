@@ -28,7 +28,7 @@ demo: venv demo-data
 	$(PY) -m diffmm.cli demo --out report $(DEMO_ARGS)
 
 demo-quick: venv demo-data
-	$(PY) -m diffmm.cli demo --quick --out report $(DEMO_ARGS)
+	$(PY) -m diffmm.cli demo --quick true --out report $(DEMO_ARGS)
 
 # The packages the demo datasets are built from (diffmm/data/system_data.py names the files read; diffmm itself
 # installs nothing). Debian: installed when missing if we are root with apt-get, else the install line is printed.

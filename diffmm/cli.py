@@ -1,54 +1,179 @@
 """The ``diffmm`` command.
 
-``diffmm fit|validate|test|predict`` is a LightningCLI (``diffmm.train.cli``); the other
-subcommands are diffmm's own tools. Each subcommand lives in its own module and is imported
-lazily, so ``diffmm shards --help`` does not pay for importing Lightning.
+``diffmm fit|validate|test|predict`` is a LightningCLI (:mod:`diffmm.train.cli`). Every other command runs one
+function, and its flags and ``--help`` come from that function's signature and docstring (jsonargparse, as litgpt
+builds its command line): ``diffmm eval <task>`` and ``diffmm classify`` (:mod:`diffmm.eval.commands`), ``diffmm
+shards <tool>`` (:mod:`diffmm.data.shard_tools`, the demo dataset builders), ``diffmm export``
+(:func:`diffmm.hub.export.export`) and ``diffmm demo``. Flags are the parameter names (``--batch_size 8``,
+``--progress false``, lists as ``--seq_len '[64,128]'``). Bad input ends with one ``diffmm <command>: error: ...``
+line and exit status 2.
 """
 from __future__ import annotations
 
-import importlib
+import collections.abc
+import inspect
+import logging
 import sys
+import typing
+from types import SimpleNamespace
+from typing import Callable, Literal, Optional
 
-# subcommand -> (module, one-line help). The module must define ``main(argv: list[str]) -> int | None``.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "fit": ("diffmm.train.cli", "train a model (LightningCLI)"),
-    "validate": ("diffmm.train.cli", "validate a model (LightningCLI)"),
-    "test": ("diffmm.train.cli", "test a model (LightningCLI)"),
-    "predict": ("diffmm.train.cli", "predict with a model (LightningCLI)"),
-    "shards": ("diffmm.shards_cli", "write webdataset shards and build the demo datasets"),
-    "eval": ("diffmm.eval.cli", "zero-shot, retrieval, linear probe and language evaluations"),
-    "classify": ("diffmm.eval.classify", "zero-shot labels for your own images (one row per image: CSV/JSON)"),
-    "export": ("diffmm.hub.export_cli", "write a diffmm export folder from a checkpoint (Lightning .ckpt, any format)"),
-    "demo": ("diffmm.demo.cli", "the main job: demo data, tiny CLIP vs DiffCLIP, report"),
-}
+import docstring_parser
+from jsonargparse import ArgumentError, ArgumentParser
+
+from diffmm.data.shard_tools import (check_shards, index_shards, write_shards_from_captions, write_shards_from_folders,
+                                     write_shards_from_text)
+from diffmm.demo import cli as demo_cli
+from diffmm.demo import run_demo
+from diffmm.demo.datasets import build_demo_data, build_emoji, build_fashion_mnist, build_python_docs
+from diffmm.demo.montage import draw_demo_montage
+from diffmm.eval import commands
+from diffmm.hub.export import export
+from diffmm.train.cli import main as lightning_main
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: errors that mean bad input (a file, a name, a value): one line and exit status 2
+INPUT_ERRORS = (ValueError, KeyError, OSError)
 
 
-def _usage() -> str:
-    lines = ["usage: diffmm <command> [options]", "", "commands:"]
-    for name, (_, help_) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<10} {help_}")
-    lines.append("")
-    lines.append("Run `diffmm <command> --help` for a command's options.")
-    return "\n".join(lines)
+# Until diffmm.demo.run_demo takes these arguments itself (the demo's own rewrite), ``diffmm demo`` builds the
+# DemoConfig of today's diffmm.demo here.
+def demo(out: str = "report", quick: bool = False, data: str = "data",
+         parts: Optional[list[Literal["clip", "lm", "recall"]]] = None, seeds: Optional[list[int]] = None,
+         clip_steps: Optional[int] = None, lm_steps: Optional[int] = None, holdout: Optional[str] = None,
+         threads: Optional[int] = None, num_workers: Optional[int] = None, render_only: bool = False) -> int:
+    """The main job: demo data, tiny CLIP vs DiffCLIP and Transformer vs DIFF LM over several seeds on CPU, a report.
+
+    Args:
+        out: the report folder.
+        quick: the 5-minute variant (1 seed, fewer steps).
+        data: the demo data folder; built there when missing.
+        parts: what to run (default: all).
+        seeds: the seeds (full: [0,1,2]; quick: [0]).
+        clip_steps: CLIP training steps per run.
+        lm_steps: LM training steps per run.
+        holdout: the emoji art style held out for zero-shot and retrieval (default: twitter).
+        threads: torch CPU threads (default 0: all cores, 1 if the machine is busy).
+        num_workers: DataLoader workers of the training streams (default 1).
+        render_only: only rewrite OUT/report.md from OUT/results.json.
+    """
+    if render_only:
+        return demo_cli.render_only(out)
+    cfg = demo_cli.config_from_args(SimpleNamespace(
+        quick=quick, out=out, data=data, parts=tuple(parts) if parts else None, seeds=tuple(seeds) if seeds else None,
+        clip_steps=clip_steps, lm_steps=lm_steps, holdout=holdout, threads=threads, num_workers=num_workers))
+    return run_demo(cfg, command="diffmm demo " + " ".join(sys.argv[2:]))
 
 
-def main(argv: list[str] | None = None) -> int:
+COMMANDS: dict = {
+    "eval": {"_help": "zero-shot, retrieval, linear probe and language evaluations, pictures",
+             "zeroshot": commands.zeroshot, "retrieval": commands.retrieval, "linear-probe": commands.linear_probe,
+             "perplexity": commands.perplexity, "needle": commands.needle, "recall": commands.recall,
+             "outliers": commands.outliers, "icl": commands.icl, "lm-eval": commands.lm_eval,
+             "plot-attention": commands.plot_attention, "plot-needle": commands.plot_needle,
+             "plot-loss": commands.plot_loss},
+    "classify": commands.classify,
+    "shards": {"_help": "write, check and index webdataset shards; build the demo datasets",
+               "from-captions": write_shards_from_captions, "from-folders": write_shards_from_folders,
+               "from-text": write_shards_from_text, "check": check_shards, "index": index_shards,
+               "demo-emoji": build_emoji, "demo-fashion-mnist": build_fashion_mnist, "demo-text": build_python_docs,
+               "demo-all": build_demo_data, "montage": draw_demo_montage},
+    "export": export,
+    "demo": demo,
+}
+
+
+def _add_function(parser: ArgumentParser, fn: Callable) -> None:
+    """Arguments of ``fn``: its required positional parameters in order (a list one takes one or more values, as in
+    ``diffmm classify a.jpg b.jpg``, which jsonargparse's list positionals do not), then jsonargparse's flags."""
+    hints = typing.get_type_hints(fn)
+    docs = {p.arg_name: p.description for p in docstring_parser.parse(fn.__doc__).params}
+    positional = [n for n, p in inspect.signature(fn).parameters.items()
+                  if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+    for name in positional:
+        many = typing.get_origin(hints[name]) in (list, collections.abc.Sequence)
+        parser.add_argument(name, nargs="+" if many else None, help=docs.get(name))
+    parser.add_function_arguments(fn, skip=set(positional), fail_untyped=True)
+
+
+def _add_commands(parser: ArgumentParser, commands_: dict, prog: str) -> None:
+    sub = parser.add_subcommands(required=True)
+    for name, target in commands_.items():
+        if name == "_help":
+            continue
+        if isinstance(target, dict):
+            help_ = target["_help"]
+        else:
+            help_ = docstring_parser.parse(target.__doc__).short_description
+        child = ArgumentParser(prog=f"{prog} {name}", description=help_, exit_on_error=False)
+        sub.add_subcommand(name, child, help=help_)  # before its own subcommands: jsonargparse adds them in order
+        if isinstance(target, dict):
+            _add_commands(child, target, f"{prog} {name}")
+        else:
+            _add_function(child, target)
+
+
+def build_parser() -> ArgumentParser:
+    """The parser of every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
+    parser = ArgumentParser(prog="diffmm", exit_on_error=False, description="differential attention for multimodal "
+                            "models; training: diffmm fit|validate|test|predict --help (LightningCLI)")
+    _add_commands(parser, COMMANDS, "diffmm")
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[list[str], Callable, dict]:
+    """``(command names, function, keyword arguments)`` of a command line (``argv`` without ``diffmm``).
+
+    Raises:
+        ArgumentError: a bad command line.
+    """
+    node, target, names = build_parser().parse_args(argv), COMMANDS, []
+    while isinstance(target, dict):
+        names.append(node["subcommand"])
+        node, target = node[names[-1]], target[names[-1]]
+    return names, target, node.as_dict()
+
+
+def _command_words(argv: list[str]) -> list[str]:
+    """The command words at the start of ``argv`` (``['eval', 'zeroshot']``), for error messages."""
+    words, level = [], COMMANDS
+    for word in argv:
+        if not isinstance(level, dict) or word not in level:
+            break
+        words.append(word)
+        level = level[word]
+    return words
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``diffmm``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+    if argv and argv[0] in LIGHTNING_SUBCOMMANDS:
+        return lightning_main(argv)
+    if not argv:
+        print(build_parser().format_help())
         return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd not in SUBCOMMANDS:
-        print(f"diffmm: unknown command {cmd!r}; expected one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    try:
+        names, fn, kwargs = parse(argv)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except ArgumentError as e:
+        words = _command_words(argv)
+        message = " ".join(str(e).split()).replace('Parser key "', "--").replace('": ', ": ")
+        message = message.replace(".".join(words) + ".", "")  # "required: eval.zeroshot.data" -> "required: data"
+        prog = " ".join(["diffmm", *words])
+        print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[cmd][0])
-    if cmd in LIGHTNING_SUBCOMMANDS:
-        rc = module.main([cmd, *rest])
-    else:
-        rc = module.main(rest)
-    return int(rc or 0)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = fn(**kwargs)
+    except INPUT_ERRORS as e:
+        print(f"diffmm {' '.join(names)}: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}",
+              file=sys.stderr)
+        return 2
+    if result is False:  # diffmm shards check found damage
+        return 1
+    return result if type(result) is int else 0  # diffmm demo returns its exit status
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -183,18 +183,20 @@ def write_shards_from_captions(image_dir: str, captions: str, out: str, *, image
             path = os.path.join(image_dir, str(row[icol]))
             if not os.path.isfile(path):
                 _skip_or_raise(writer, skip_missing or skip_bad, "missing image", f"{where}: {path}", FileNotFoundError(
-                    f"{where}: image {path} not found (use --skip-missing or --skip-bad to skip; the old shards are kept)"))
+                    f"{where}: image {path} not found (use --skip_missing true or --skip_bad true to skip; the old "
+                    f"shards are kept)"))
                 continue
             caption = row[ccol]
             if caption is None or not str(caption).strip():
                 _skip_or_raise(writer, skip_bad, "empty caption", where,
-                               ValueError(f"{where}: empty {ccol!r} (use --skip-bad to skip; the old shards are kept)"))
+                               ValueError(f"{where}: empty {ccol!r} (use --skip_bad true to skip; the old shards are "
+                                          f"kept)"))
                 continue
             try:
                 field, data = image_field(path, max_image_pixels)
             except BadImage as e:
                 _skip_or_raise(writer, skip_bad, "bad image", f"{where}: {e}",
-                               BadImage(f"{where}: {e} (use --skip-bad to skip; the old shards are kept)"))
+                               BadImage(f"{where}: {e} (use --skip_bad true to skip; the old shards are kept)"))
                 continue
             meta = {k: v for k, v in row.items() if k not in (icol, ccol)}
             meta.update(source=str(row[icol]), caption=str(caption))
@@ -251,7 +253,7 @@ def write_shards_from_folders(root: str, out: str, *, template: str = "a photo o
                 field, data = image_field(path, max_image_pixels)
             except BadImage as e:
                 _skip_or_raise(writer, skip_bad, "bad image", str(e),
-                               BadImage(f"{e} (use --skip-bad to skip; the old shards are kept)"))
+                               BadImage(f"{e} (use --skip_bad true to skip; the old shards are kept)"))
                 continue
             key = sanitize_key(f"{cls}_{os.path.splitext(os.path.basename(path))[0]}")
             meta = {"label": label, "class": names[label], "source": os.path.relpath(path, root)}

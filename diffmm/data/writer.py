@@ -93,7 +93,7 @@ class ShardWriter:
         self._bytes = 0
         self._keys: set[str] = set()
         self.total = 0
-        #: input rows the tool feeding this writer skipped (``--skip-bad``), by reason
+        #: input rows the tool feeding this writer skipped (``--skip_bad true``), by reason
         self.skipped = SkipCounter()
         self._stale = re.compile(re.escape(prefix) + r"-\d{6}\.tar$")
         self._tmpdir: str | None = tempfile.mkdtemp(prefix=f".{prefix}{_TMP_TAG}", dir=directory)

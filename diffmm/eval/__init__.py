@@ -1,32 +1,30 @@
 """Evaluation: zero-shot classification (``classify`` for unlabelled images), retrieval, linear probe, language
-tasks, lm-eval adapter, pictures.
+tasks, associative recall, the lm-eval adapter (:mod:`diffmm.eval.harness`, optional), pictures.
 
-Names are imported lazily, so ``import diffmm.eval`` stays light. See ``docs/evaluation.md``.
+The task functions behind ``diffmm eval <task>`` are in :mod:`diffmm.eval.commands`. See ``docs/evaluation.md``.
 """
-from __future__ import annotations
+from diffmm.eval.attention_capture import AttentionRecorder
+from diffmm.eval.classify import Predictions, classify_images
+from diffmm.eval.classnames import get_classnames, get_templates
+from diffmm.eval.common import EvalError
+from diffmm.eval.icl import ICLConfig, icl_order_robustness
+from diffmm.eval.image_sources import (IdxSource, ImageFolderSource, ImageListSource, ShardLabelSource,
+                                       expand_image_inputs, open_image_source)
+from diffmm.eval.linear_probe import extract_features
+from diffmm.eval.loading import load_clip, load_lm
+from diffmm.eval.needle import NeedleConfig, answer_attention, load_haystack, multi_needle
+from diffmm.eval.outliers import activation_outliers
+from diffmm.eval.perplexity import evaluate_perplexity, perplexity_on_shards
+from diffmm.eval.plots import cls_attention, plot_attention_maps, plot_loss_curves, plot_needle_attention
+from diffmm.eval.recall import evaluate_recall, plot_recall
+from diffmm.eval.retrieval import evaluate_retrieval, recall_at_k, retrieval_on_shards
+from diffmm.eval.zeroshot import ZeroShotResult, build_zero_shot_classifier, evaluate_zero_shot, zero_shot
 
-import importlib
-
-_EXPORTS = {
-    "build_zero_shot_classifier": "zeroshot", "evaluate_zero_shot": "zeroshot", "zero_shot": "zeroshot",
-    "ZeroShotResult": "zeroshot", "get_classnames": "classnames", "get_templates": "classnames",
-    "ImageFolderSource": "image_sources", "IdxSource": "image_sources", "ShardLabelSource": "image_sources",
-    "open_image_source": "image_sources", "evaluate_retrieval": "retrieval", "retrieval_on_shards": "retrieval",
-    "recall_at_k": "retrieval", "extract_features": "linear_probe", "linear_probe": "linear_probe",
-    "evaluate_perplexity": "perplexity", "perplexity_on_shards": "perplexity", "NeedleConfig": "needle",
-    "multi_needle": "needle", "answer_attention": "needle", "load_haystack": "needle",
-    "activation_outliers": "outliers", "ICLConfig": "icl", "icl_order_robustness": "icl",
-    "AttentionRecorder": "attention_capture", "DiffmmLM": "harness", "run_lm_eval": "harness",
-    "cls_attention": "plots", "plot_attention_maps": "plots", "plot_needle_attention": "plots",
-    "plot_loss_curves": "plots", "load_clip": "loading", "load_lm": "loading", "EvalError": "common",
-    "classify_images": "classify", "Predictions": "classify", "ImageListSource": "image_sources",
-    "expand_image_inputs": "image_sources",
-    "evaluate_recall": "recall", "plot_recall": "recall",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"diffmm.eval.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'diffmm.eval' has no attribute {name!r}")
+__all__ = ["AttentionRecorder", "EvalError", "ICLConfig", "IdxSource", "ImageFolderSource", "ImageListSource",
+           "NeedleConfig", "Predictions", "ShardLabelSource", "ZeroShotResult", "activation_outliers",
+           "answer_attention", "build_zero_shot_classifier", "classify_images", "cls_attention", "evaluate_perplexity",
+           "evaluate_recall", "evaluate_retrieval", "evaluate_zero_shot", "expand_image_inputs", "extract_features",
+           "get_classnames", "get_templates", "icl_order_robustness", "load_clip", "load_haystack",
+           "load_lm", "multi_needle", "open_image_source", "perplexity_on_shards", "plot_attention_maps",
+           "plot_loss_curves", "plot_needle_attention", "plot_recall", "recall_at_k", "retrieval_on_shards",
+           "zero_shot"]

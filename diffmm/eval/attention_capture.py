@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.nn.rope import apply_rope
+
 log = logging.getLogger("diffmm.eval")
 
 
@@ -33,8 +35,7 @@ class AttentionRecord:
         kind: ``standard`` (Hq = heads), ``diff`` (Hq = 2h components, maps 2i, 2i+1 form head i) or
             ``diff_v2`` (same pairing, per-token lambda).
         kv_index: (Hq,) key head used by each query map.
-        allowed: bool, broadcastable to (B, Hq, N, S); None = everything allowed.
-        bias: finite additive mask, broadcastable; None = no bias.
+        mask: additive mask broadcastable to (B, Hq, N, S): -inf where masked, else a finite bias; None = none.
         lam: ``diff``: 0-d lambda; ``diff_v2``: (B, N, h) sigmoid(lambda logits).
     """
 
@@ -44,8 +45,7 @@ class AttentionRecord:
     k: torch.Tensor
     scale: float
     kv_index: torch.Tensor
-    allowed: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
     lam: Optional[torch.Tensor] = None
 
     @property
@@ -54,34 +54,27 @@ class AttentionRecord:
         return self.q.shape[1] // (1 if self.kind == "standard" else 2)
 
     def logits(self) -> torch.Tensor:
-        """Raw scores (B, Hq, N, S) = q.k * scale (+ finite additive mask); masked entries not removed."""
+        """Raw scores (B, Hq, N, S) = q.k * scale (+ the finite bias of the mask); masked entries not removed."""
         s = self.q @ self.k[:, self.kv_index].transpose(-1, -2) * self.scale
-        return s + self.bias if self.bias is not None else s
+        return s if self.mask is None else s + torch.where(torch.isfinite(self.mask), self.mask, 0.0)
 
     def valid(self) -> torch.Tensor:
         """Bool (B, Hq, N, S): entries that take part in the softmax."""
-        B, Hq, N, _ = self.q.shape
-        S = self.k.shape[2]
-        if self.allowed is None:
-            return torch.ones(B, Hq, N, S, dtype=torch.bool, device=self.q.device)
-        return self.allowed.expand(B, Hq, N, S)
+        shape = (*self.q.shape[:3], self.k.shape[2])
+        if self.mask is None:
+            return torch.ones(shape, dtype=torch.bool, device=self.q.device)
+        return torch.isfinite(self.mask).expand(shape)
 
     def probs(self) -> torch.Tensor:
         """Softmax of every query map (B, Hq, N, S); fully masked rows are 0."""
-        s = self.logits()
-        if self.allowed is not None:
-            s = s.masked_fill(~self.allowed, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        return torch.nan_to_num(p, nan=0.0)
+        s = self.q @ self.k[:, self.kv_index].transpose(-1, -2) * self.scale
+        return torch.nan_to_num(torch.softmax(s if self.mask is None else s + self.mask, dim=-1), nan=0.0)
 
     def select_queries(self, rows: torch.Tensor | slice) -> "AttentionRecord":
         """The same record restricted to some query positions (e.g. ``slice(-1, None)`` for the last one)."""
-        def rows_of(t):
-            return t if t is None or t.shape[2] == 1 else t[:, :, rows]
-
+        mask = self.mask if self.mask is None or self.mask.shape[2] == 1 else self.mask[:, :, rows]
         lam = self.lam[:, rows] if self.kind == "diff_v2" else self.lam
-        return AttentionRecord(self.name, self.kind, self.q[:, :, rows], self.k, self.scale, self.kv_index,
-                               rows_of(self.allowed), rows_of(self.bias), lam)
+        return AttentionRecord(self.name, self.kind, self.q[:, :, rows], self.k, self.scale, self.kv_index, mask, lam)
 
     def maps(self) -> torch.Tensor:
         """Effective attention per head (B, h, N, S): A, A1 - lambda*A2, or A1 - sigmoid(lambda_t)*A2 (V2)."""
@@ -95,45 +88,39 @@ class AttentionRecord:
 
 
 # --------------------------------------------------------------------------------- masks
-def _causal(N: int, S: int, device) -> torch.Tensor:
-    """Bottom-right aligned causal mask (N, S), True = allowed (diffmm's convention)."""
-    return torch.ones(N, S, dtype=torch.bool, device=device).tril(S - N)
+def _additive(mask: Optional[torch.Tensor], *, true_means_masked: bool,
+              key_padding: bool = False) -> Optional[torch.Tensor]:
+    """A mask as a 4-D additive float mask broadcastable to (B, H, N, S): -inf where masked.
 
-
-def _mask_parts(mask: Optional[torch.Tensor], *, true_means_masked: bool, key_padding: bool = False
-                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(allowed bool, finite additive bias), both 4-D and broadcastable to (B, H, N, S).
-
-    ``mask``: bool (True = attend, or True = masked when ``true_means_masked``) or additive float
-    (-inf = masked); a key-padding mask is (B, S), other masks (N, S), (B, N, S) or (B, H, N, S).
+    ``mask``: bool (True = attend, or True = masked when ``true_means_masked``) or additive float (-inf = masked);
+    a key-padding mask is (B, S), other masks (N, S), (B, N, S) or (B, H, N, S).
     """
     if mask is None:
-        return None, None
+        return None
     if mask.dtype == torch.bool:
-        allowed, bias = (~mask if true_means_masked else mask), None
-    else:
-        m = mask.float()
-        finite = torch.isfinite(m)
-        allowed, bias = finite, torch.where(finite, m, torch.zeros_like(m))
-        if not bool(bias.any()):
-            bias = None
-        if bool(finite.all()):
-            allowed = None
-
-    def to4(t):
-        if t is None:
-            return None
-        if key_padding:
-            return t[:, None, None, :]
-        return {2: lambda: t[None, None], 3: lambda: t[:, None], 4: lambda: t}[t.dim()]()
-
-    return to4(allowed), to4(bias)
+        masked = mask if true_means_masked else ~mask
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(masked, float("-inf"))
+    if key_padding:
+        return mask[:, None, None, :].float()
+    return (mask[:, None] if mask.dim() == 3 else mask.reshape((1,) * (4 - mask.dim()) + mask.shape)).float()
 
 
-def _and(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _causal(N: int, S: int, device) -> torch.Tensor:
+    """Bottom-right aligned causal mask (1, 1, N, S) as an additive mask (diffmm's convention)."""
+    allowed = torch.ones(N, S, dtype=torch.bool, device=device).tril(S - N)
+    return _additive(allowed, true_means_masked=False)
+
+
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sum of two additive masks, either of which may be None."""
     if a is None:
         return b
-    return a if b is None else a & b
+    return a if b is None else a + b
+
+
+def _fp(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached in the dtype the maps are recomputed in: float64 stays, everything else becomes float32."""
+    return t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
 # ------------------------------------------------------------------------------ recorder
@@ -154,35 +141,36 @@ class AttentionRecorder:
         self._handles: list[Any] = []
         self._skipped_cache = False
 
-    # ---- discovery
     @staticmethod
     def layer_kind(m: nn.Module) -> Optional[str]:
-        """Which hook set handles ``m`` (None = not an attention layer we know)."""
-        name = type(m).__name__
+        """Which hooks handle ``m``: ``standard`` / ``diff`` / ``diff_v2`` (diffmm layers), ``torch_mha``,
+        ``open_clip``, ``timm`` or ``timm_diff``; None = not an attention layer we know."""
         mod = type(m).__module__
-        if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "num_heads") and hasattr(m, "head_dim"):
+        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "num_heads", "head_dim")):
             if hasattr(m, "lambda_proj"):
-                return "diffmm_diff_v2"
-            return "diffmm_diff" if hasattr(m, "lambda_full") else "diffmm_standard"
+                return "diff_v2"
+            return "diff" if hasattr(m, "lambda_full") else "standard"
         if isinstance(m, nn.MultiheadAttention):
             return "torch_mha"
-        if name == "Attention" and mod.startswith("open_clip") and hasattr(m, "in_proj_weight"):
+        if type(m).__name__ == "Attention" and mod.startswith("open_clip") and hasattr(m, "in_proj_weight"):
             return "open_clip"
         if mod.startswith("timm") and hasattr(m, "qkv") and hasattr(m, "num_heads"):
             return "timm_diff" if hasattr(m, "_compute_lambda") else "timm"
         return None
 
     def __enter__(self) -> "AttentionRecorder":
+        hooks = {"standard": self._hook_diffmm, "diff": self._hook_diffmm, "diff_v2": self._hook_diffmm,
+                 "torch_mha": self._hook_torch_mha, "open_clip": self._hook_open_clip, "timm": self._hook_timm,
+                 "timm_diff": self._hook_timm}
         inside: list[str] = []
         for name, m in self.model.named_modules():
             kind = self.layer_kind(m)
             if kind is None or any(name.startswith(p + ".") for p in inside):
                 continue
             inside.append(name)
-            if self.include is not None and not self.include(name):
-                continue
-            self.layers.append((name, m, kind))
-            getattr(self, f"_hook_{kind.split('_', 1)[0] if kind.startswith('diffmm') else kind}")(name, m, kind)
+            if self.include is None or self.include(name):
+                self.layers.append((name, m, kind))
+                hooks[kind](name, m, kind)
         if not self.layers:
             log.warning("AttentionRecorder: no supported attention layer found in the model")
         return self
@@ -191,9 +179,6 @@ class AttentionRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def clear(self) -> None:
-        self.records.clear()
 
     def _emit(self, rec: AttentionRecord) -> None:
         if self.on_record is not None:
@@ -216,8 +201,7 @@ class AttentionRecorder:
             return hook
 
         def post(mod, args, kwargs, out):
-            kw = state.get("kw", {})
-            if kw.get("kv_cache") is not None:
+            if state.get("kw", {}).get("kv_cache") is not None:
                 if not self._skipped_cache:
                     log.warning("AttentionRecorder: calls with a KV cache are not recorded")
                     self._skipped_cache = True
@@ -230,50 +214,42 @@ class AttentionRecorder:
 
     @staticmethod
     def _diffmm_record(name: str, m: nn.Module, kind: str, state: dict) -> AttentionRecord:
-        from diffmm.nn.rope import apply_rope
-
         x, kw = state["x"], state["kw"]
         B, N, _ = x.shape
-        qo, ko = state["q"].detach(), state["k"].detach()
-        S = ko.shape[1]
+        S = state["k"].shape[1]
         h, hk, d = m.num_heads, m.num_kv_heads, m.head_dim
-        if kind == "diffmm_diff":
-            q, k = qo.view(B, N, 2 * h, d), ko.view(B, S, 2 * hk, d)
-            rep = h // hk
-            kv_index = torch.tensor([2 * (c // 2 // rep) + c % 2 for c in range(2 * h)])
-        elif kind == "diffmm_diff_v2":
-            q, k = qo.view(B, N, 2 * h, d), ko.view(B, S, hk, d)
+        if kind == "diff":  # query map c of head c // 2 reads key map c % 2 of its kv group
+            q, k = state["q"].view(B, N, 2 * h, d), state["k"].view(B, S, 2 * hk, d)
+            kv_index = torch.tensor([2 * (c // 2 // (h // hk)) + c % 2 for c in range(2 * h)])
+        elif kind == "diff_v2":
+            q, k = state["q"].view(B, N, 2 * h, d), state["k"].view(B, S, hk, d)
             kv_index = torch.arange(2 * h) // (2 * h // hk)
         else:
-            q, k = qo.view(B, N, h, d), ko.view(B, S, hk, d)
+            q, k = state["q"].view(B, N, h, d), state["k"].view(B, S, hk, d)
             kv_index = torch.arange(h) // (h // hk)
         if getattr(m, "use_rope", False) and kw.get("rope") is not None:
             q, k = apply_rope(q, *kw["rope"]), apply_rope(k, *kw["rope"])
-        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q, k = q.to(ct).transpose(1, 2), k.to(ct).transpose(1, 2)  # (B, H, N, d), (B, Hk, S, d)
-        causal = kw.get("causal")
-        causal = m.causal if causal is None else causal
+        q, k = _fp(q).transpose(1, 2), _fp(k).transpose(1, 2)  # (B, Hq, N, d), (B, Hk, S, d)
+        causal = m.causal if kw.get("causal") is None else kw["causal"]
         am = kw.get("attn_mask")
-        allowed, bias = _mask_parts(am, true_means_masked=False, key_padding=am is not None and am.dtype == torch.bool)
-        if kind != "diffmm_standard" and bias is not None and bias.shape[1] == h and h > 1:
-            bias = bias.repeat_interleave(2, dim=1)  # per-head bias -> both query maps of the head
-        if kind != "diffmm_standard" and allowed is not None and allowed.shape[1] == h and h > 1:
-            allowed = allowed.repeat_interleave(2, dim=1)
+        mask = _additive(am, true_means_masked=False, key_padding=am is not None and am.dtype == torch.bool)
+        if kind != "standard" and h > 1 and mask is not None and mask.shape[1] == h:
+            mask = mask.repeat_interleave(2, dim=1)  # a per-head mask applies to both query maps of the head
         if causal:
-            allowed = _and(allowed, _causal(N, S, q.device)[None, None])
+            mask = _add(mask, _causal(N, S, q.device))
         lam = None
-        if kind == "diffmm_diff":
-            lam = m.lambda_full().detach().to(ct)
-        elif kind == "diffmm_diff_v2":
-            lam = torch.sigmoid(m.lambda_logits(state["x"]).detach().to(ct))  # (B, N, h)
-        return AttentionRecord(name, kind.split("_", 1)[1], q, k, d ** -0.5, kv_index.to(q.device), allowed, bias, lam)
+        if kind == "diff":
+            lam = _fp(m.lambda_full())
+        elif kind == "diff_v2":
+            lam = torch.sigmoid(_fp(m.lambda_logits(x)))  # (B, N, h)
+        return AttentionRecord(name, kind, q, k, d ** -0.5, kv_index.to(q.device), mask, lam)
 
-    # ---- torch nn.MultiheadAttention (self- or cross-attention)
+    # ---- torch nn.MultiheadAttention (self- or cross-attention): q/k recomputed from the layer's weights
     def _hook_torch_mha(self, name: str, m: nn.MultiheadAttention, kind: str) -> None:
         def pre(mod, args, kwargs):
-            names = ("query", "key", "value")
-            vals = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
-            query, key = vals["query"], vals["key"] if vals["key"] is not None else vals["query"]
+            names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+            a = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
+            query, key = a["query"], a["key"] if a["key"] is not None else a["query"]
             if not mod.batch_first:
                 query, key = query.transpose(0, 1), key.transpose(0, 1)
             E, H = mod.embed_dim, mod.num_heads
@@ -281,26 +257,18 @@ class AttentionRecorder:
                 wq, wk = mod.in_proj_weight[:E], mod.in_proj_weight[E:2 * E]
             else:
                 wq, wk = mod.q_proj_weight, mod.k_proj_weight
-            bq = bk = None
-            if mod.in_proj_bias is not None:
-                bq, bk = mod.in_proj_bias[:E], mod.in_proj_bias[E:2 * E]
+            bq, bk = (mod.in_proj_bias[:E], mod.in_proj_bias[E:2 * E]) if mod.in_proj_bias is not None else (None, None)
             B, N, S, d = query.shape[0], query.shape[1], key.shape[1], E // H
-            ct = torch.float64 if query.dtype == torch.float64 else torch.float32
-            q = F.linear(query, wq, bq).detach().to(ct).view(B, N, H, d).transpose(1, 2)
-            k = F.linear(key, wk, bk).detach().to(ct).view(B, S, H, d).transpose(1, 2)
-            am = kwargs.get("attn_mask", args[5] if len(args) > 5 else None)
+            q = _fp(F.linear(query, wq, bq)).view(B, N, H, d).transpose(1, 2)
+            k = _fp(F.linear(key, wk, bk)).view(B, S, H, d).transpose(1, 2)
+            am = a["attn_mask"]
             if am is not None and am.dim() == 3:  # (B*H, N, S) in torch's convention
                 am = am.reshape(B, H, N, S)
-            allowed, bias = _mask_parts(am, true_means_masked=True)
-            kpm = kwargs.get("key_padding_mask", args[3] if len(args) > 3 else None)
-            if kpm is not None:
-                a2, b2 = _mask_parts(kpm, true_means_masked=True, key_padding=True)
-                allowed = _and(allowed, a2)
-                bias = b2 if bias is None else (bias if b2 is None else bias + b2)
+            mask = _add(_additive(am, true_means_masked=True),
+                        _additive(a["key_padding_mask"], true_means_masked=True, key_padding=True))
             if kwargs.get("is_causal") and am is None:
-                allowed = _and(allowed, _causal(N, S, q.device)[None, None])
-            self._emit(AttentionRecord(name, "standard", q, k, d ** -0.5, torch.arange(H, device=q.device),
-                                       allowed, bias))
+                mask = _add(mask, _causal(N, S, q.device))
+            self._emit(AttentionRecord(name, "standard", q, k, d ** -0.5, torch.arange(H, device=q.device), mask))
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
@@ -314,43 +282,34 @@ class AttentionRecorder:
             B, N, _ = x.shape
             H, d = mod.num_heads, mod.head_dim
             q, k, _ = F.linear(x, mod.in_proj_weight, mod.in_proj_bias).chunk(3, dim=-1)
-            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            q = mod.ln_q(q.reshape(B, N, H, d).transpose(1, 2)).detach().to(ct)
-            k = mod.ln_k(k.reshape(B, N, H, d).transpose(1, 2)).detach().to(ct)
-            allowed, bias = _mask_parts(am, true_means_masked=True)
+            q = _fp(mod.ln_q(q.reshape(B, N, H, d).transpose(1, 2)))
+            k = _fp(mod.ln_k(k.reshape(B, N, H, d).transpose(1, 2)))
             self._emit(AttentionRecord(name, "standard", q, k, mod.scale, torch.arange(H, device=q.device),
-                                       allowed, bias))
+                                       _additive(am, true_means_masked=True)))
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
-    # ---- timm Attention / DiffAttention
+    # ---- timm Attention / DiffAttention: q/k recomputed from the layer's weights
     def _hook_timm(self, name: str, m: nn.Module, kind: str) -> None:
-        self._hook_timm_any(name, m, diff=False)
-
-    def _hook_timm_diff(self, name: str, m: nn.Module, kind: str) -> None:
-        self._hook_timm_any(name, m, diff=True)
-
-    def _hook_timm_any(self, name: str, m: nn.Module, diff: bool) -> None:
         def pre(mod, args, kwargs):
             x = args[0] if args else kwargs["x"]
             am = args[1] if len(args) > 1 else kwargs.get("attn_mask")
             is_causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
             B, N, _ = x.shape
             H, d = mod.num_heads, mod.head_dim
-            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            if diff:
+            if kind == "timm_diff":
                 q, k, _ = mod.qkv(x).chunk(3, dim=2)
-                q = mod.q_norm(q.reshape(B, N, 2 * H, d).transpose(1, 2)).detach().to(ct)
-                k = mod.k_norm(k.reshape(B, N, 2 * H, d).transpose(1, 2)).detach().to(ct)
-                kv_index, lam = torch.arange(2 * H), mod._compute_lambda().detach().to(ct)
+                q = _fp(mod.q_norm(q.reshape(B, N, 2 * H, d).transpose(1, 2)))
+                k = _fp(mod.k_norm(k.reshape(B, N, 2 * H, d).transpose(1, 2)))
+                kv_index, lam = torch.arange(2 * H), _fp(mod._compute_lambda())
             else:
                 qkv = mod.qkv(x).reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4)
-                q, k = mod.q_norm(qkv[0]).detach().to(ct), mod.k_norm(qkv[1]).detach().to(ct)
+                q, k = _fp(mod.q_norm(qkv[0])), _fp(mod.k_norm(qkv[1]))
                 kv_index, lam = torch.arange(H), None
-            allowed, bias = _mask_parts(am, true_means_masked=False)
+            mask = _additive(am, true_means_masked=False)
             if is_causal:
-                allowed = _and(allowed, _causal(N, N, q.device)[None, None])
-            self._emit(AttentionRecord(name, "diff" if diff else "standard", q, k, float(mod.scale),
-                                       kv_index.to(q.device), allowed, bias, lam))
+                mask = _add(mask, _causal(N, N, q.device))
+            self._emit(AttentionRecord(name, "diff" if kind == "timm_diff" else "standard", q, k, float(mod.scale),
+                                       kv_index.to(q.device), mask, lam))
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))

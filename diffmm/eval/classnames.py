@@ -1,10 +1,10 @@
 """Class names and prompt templates for zero-shot classification.
 
-Built in: ``imagenet`` class names and the ``openai`` (80) / ``simple`` (2) ImageNet templates,
-taken from ``open_clip.zero_shot_metadata``; ``fashion-mnist`` class names; the ``plain`` template
-``"{}"``. Templates may be written inline (``"a photo of a {}."``). Custom lists come from a file:
-``.txt`` (one entry a line; blank lines and ``#`` comments skipped) or ``.json`` (a list, an
-``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored under ``KEY``, e.g.
+Built in: ``imagenet`` class names and the ``openai`` (80) / ``simple`` (2) ImageNet templates of
+``open_clip.zero_shot_metadata`` (callables); ``fashion-mnist`` class names; the ``plain`` template ``"{}"``.
+A string template marks the class name with ``{}`` or ``{c}`` and may be written inline (``"a photo of a {}."``).
+Custom lists come from a file: ``.txt`` (one entry a line; blank lines and ``#`` comments skipped) or ``.json``
+(a list, an ``{index: name}`` dict, or ``FILE.json:KEY`` for a list stored under ``KEY``, e.g.
 ``data/emoji/classes.json:groups``).
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import json
 import logging
 import os
 from typing import Callable, Sequence, Union
+
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
 from diffmm.eval.common import EvalError
 
@@ -23,63 +25,45 @@ Template = Union[str, Callable[[str], str]]
 #: Fashion-MNIST labels 0..9, worded for prompts.
 FASHION_MNIST_CLASSNAMES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
                             "ankle boot")
-
-
-def _builtin_classnames(name: str) -> tuple[str, ...] | None:
-    if name == "imagenet":
-        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
-
-        return tuple(IMAGENET_CLASSNAMES)
-    if name in ("fashion-mnist", "fashion_mnist", "fmnist"):
-        return FASHION_MNIST_CLASSNAMES
-    return None
-
-
-def _builtin_templates(name: str) -> tuple[Template, ...] | None:
-    from open_clip import zero_shot_metadata as meta
-
-    return {"openai": tuple(meta.OPENAI_IMAGENET_TEMPLATES), "simple": tuple(meta.SIMPLE_IMAGENET_TEMPLATES),
-            "plain": ("{}",)}.get(name)
+BUILTIN_CLASSNAMES = {"imagenet": tuple(IMAGENET_CLASSNAMES), "fashion-mnist": FASHION_MNIST_CLASSNAMES,
+                      "fashion_mnist": FASHION_MNIST_CLASSNAMES, "fmnist": FASHION_MNIST_CLASSNAMES}
+BUILTIN_TEMPLATES = {"openai": tuple(OPENAI_IMAGENET_TEMPLATES), "simple": tuple(SIMPLE_IMAGENET_TEMPLATES),
+                     "plain": ("{}",)}
 
 
 def read_list(spec: str, what: str) -> list[str]:
-    """Entries of a ``.txt`` / ``.json`` / ``FILE.json:KEY`` list (see module doc)."""
+    """Entries of a ``.txt`` / ``.json`` / ``FILE.json:KEY`` list (see the module docstring)."""
     path, key = spec, None
     if not os.path.exists(path) and ".json:" in spec:
         path, key = spec.rsplit(":", 1)
     if not os.path.isfile(path):
         raise EvalError(f"{what} file not found: {path}")
-    if path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise EvalError(f"{path}: not valid JSON ({e})") from None
-        if key is not None:
-            if not isinstance(data, dict) or key not in data:
-                raise EvalError(f"{path}: no key {key!r}; keys are {sorted(data) if isinstance(data, dict) else []}")
-            data = data[key]
-        if isinstance(data, dict):
-            try:
-                items = sorted((int(k), v) for k, v in data.items())
-            except ValueError:
-                raise EvalError(f"{path}: a {what} dict must map integer indices to names; use FILE.json:KEY "
-                                f"to pick a list out of {sorted(data)}") from None
-            if [i for i, _ in items] != list(range(len(items))):
-                raise EvalError(f"{path}: {what} indices must be 0..{len(items) - 1} without gaps")
-            data = [v for _, v in items]
-        if not isinstance(data, list) or not all(isinstance(v, str) for v in data):
-            raise EvalError(f"{spec}: expected a list of strings for the {what}")
-        return list(data)
-    with open(path, encoding="utf-8") as f:
-        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    if not path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path}: not valid JSON ({e})") from None
+    if key is not None:
+        if not isinstance(data, dict) or key not in data:
+            raise EvalError(f"{path}: no key {key!r}; keys are {sorted(data) if isinstance(data, dict) else []}")
+        data = data[key]
+    if isinstance(data, dict):  # {"0": name, "1": name, ...}
+        if set(data) != {str(i) for i in range(len(data))}:
+            raise EvalError(f"{path}: a {what} dict must map the indices 0..{len(data) - 1} to names; use "
+                            f"FILE.json:KEY to pick a list out of {sorted(data)}")
+        data = [data[str(i)] for i in range(len(data))]
+    if not isinstance(data, list) or not all(isinstance(v, str) for v in data):
+        raise EvalError(f"{spec}: expected a list of strings for the {what}")
+    return data
 
 
 def get_classnames(spec: str | Sequence[str]) -> list[str]:
     """Class names from a built-in name (``imagenet``, ``fashion-mnist``), a file, or a list."""
     if isinstance(spec, str):
-        names = _builtin_classnames(spec)
-        names = list(names) if names is not None else read_list(spec, "class names")
+        names = list(BUILTIN_CLASSNAMES[spec]) if spec in BUILTIN_CLASSNAMES else read_list(spec, "class names")
     else:
         names = list(spec)
     if not names:
@@ -94,37 +78,27 @@ def _is_template(text: str) -> bool:
     return "{}" in text or "{c}" in text
 
 
-def _expand_template_spec(spec: str, where: str) -> list[Template]:
-    """One ``--templates`` entry: a built-in name, an existing file, or an inline template holding ``{}``."""
-    builtin = _builtin_templates(spec)
-    if builtin is not None:
-        return list(builtin)
-    if os.path.isfile(spec) or (os.path.isfile(spec.rsplit(":", 1)[0]) and ".json:" in spec):
-        return read_list(spec, "templates")
-    if _is_template(spec):
-        return [spec]
-    if spec.endswith((".txt", ".json")) or ".json:" in spec or os.sep in spec:
+def _expand(spec: str) -> list[Template]:
+    """A template list entry without ``{}``: a built-in list or a file."""
+    if spec in BUILTIN_TEMPLATES:
+        return list(BUILTIN_TEMPLATES[spec])
+    if os.path.isfile(spec) or spec.endswith((".txt", ".json")) or ".json:" in spec or os.sep in spec:
         return read_list(spec, "templates")  # a missing file: "templates file not found: ..."
-    raise EvalError(f"{where}: template {spec!r} has no {{}} (or {{c}}) where the class name goes; give a built-in "
+    raise EvalError(f"{spec}: template {spec!r} has no {{}} (or {{c}}) where the class name goes; give a built-in "
                     f"list (openai, simple, plain), a .txt/.json file, or a template such as 'a photo of a {{}}.'")
 
 
 def get_templates(spec: str | Sequence[Template]) -> list[Template]:
-    """Templates from a built-in name (``openai``, ``simple``, ``plain``), a file, an inline template, or a list.
+    """Templates from a built-in name (``openai``, ``simple``, ``plain``), a file, an inline template, or a list
+    mixing them (each entry expanded, as repeated ``--templates`` options are).
 
     A string template holds ``{}`` or ``{c}`` where the class name goes (``"a photo of a {}."``); callables take
-    the name. A list may mix templates, built-in names and files (each expanded), as ``--templates A B C`` does.
+    the name.
     """
+    templates: list[Template] = []
+    for item in [spec] if isinstance(spec, str) else spec:
+        templates += _expand(item) if isinstance(item, str) and not _is_template(item) else [item]
     where = spec if isinstance(spec, str) else "the template list"
-    if isinstance(spec, str):
-        templates = _expand_template_spec(spec, spec)
-    else:
-        templates = []
-        for item in spec:
-            if isinstance(item, str) and not _is_template(item):
-                templates += _expand_template_spec(item, item)
-            else:
-                templates.append(item)
     if not templates:
         prefix = f"{spec}: " if isinstance(spec, str) else ""
         raise EvalError(f"{prefix}the template list is empty; give at least one template such as 'a photo of a {{}}.'")

@@ -1,14 +1,13 @@
-"""Shared helpers of the evaluations: devices, precision, progress bars and result files."""
+"""Shared helpers of the evaluations: the error type, devices, precision, progress bars and markdown tables."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 
 class EvalError(ValueError):
@@ -36,33 +35,11 @@ def autocast(device: torch.device, precision: str = "auto"):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def progress(iterable: Iterable, *, total: int | None = None, desc: str = "", enable: bool = True, unit: str = "it"):
-    """A tqdm bar on stderr (a plain iterator when disabled)."""
-    if not enable:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> str:
-    """Write ``obj`` as indented JSON (NaN/inf become null); creates parent folders. Returns the path."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(_finite(obj), f, indent=1)
-        f.write("\n")
-    return path
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None, desc: str = "",
+             enable: bool = True, unit: str = "it") -> tqdm:
+    """A tqdm bar on stderr; disabled, it still iterates and takes ``update`` / ``close`` silently."""
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                disable=not enable)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".2f") -> str:
@@ -76,15 +53,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatf
              "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
-
-
-def write_text(path: str | os.PathLike, text: str) -> str:
-    """Write ``text`` to ``path`` (parent folders created). Returns the path."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -17,37 +17,36 @@ import torch
 
 from diffmm.eval.common import EvalError
 from diffmm.eval.lm_utils import context_limit, greedy_generate, rolling_loglikelihood, score_continuations
+from diffmm.eval.loading import lm_tokenizer, load_lm
 
-
-def _require_lm_eval():
-    try:
-        import lm_eval  # noqa: F401
-        from lm_eval.api.model import LM
-    except ImportError:
-        raise EvalError("lm-evaluation-harness is not installed; pip install 'lm-eval>=0.4,<0.5' "
-                        "(or the diffmm 'eval' extra)") from None
-    return LM
-
-
-try:
-    from lm_eval.api.model import LM  # type: ignore[no-redef]
+try:  # lm-eval is optional (the diffmm 'eval' extra)
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-except ImportError:  # lm-eval not installed: the class below still imports; using it raises a clear error
-    LM = object  # type: ignore[misc,assignment]
+    from lm_eval.tasks import TaskManager
+except ImportError:  # the class below still imports; using it raises a clear error
+    LM = None
 
     def register_model(*names):  # type: ignore[no-redef]
         return lambda cls: cls
 
 
+def _require_lm_eval() -> None:
+    if LM is None:
+        raise EvalError("lm-evaluation-harness is not installed; pip install 'lm-eval>=0.4,<0.5' "
+                        "(or the diffmm 'eval' extra)")
+
+
 @register_model("diffmm")
-class DiffmmLM(LM):  # type: ignore[misc,valid-type]
+class DiffmmLM(LM or object):  # type: ignore[misc]
     """An lm-eval ``LM`` backed by a diffmm LM (anything :mod:`diffmm.eval.lm_utils` can drive).
 
     Args:
         model: the LM (``model(idx) -> logits``), or None with ``path``.
         tokenizer: ``encode`` / ``decode`` / ``eos_id`` (diffmm LM tokenizers); with ``path``, a tokenizer spec
             string (``clip``, a ``tokenizer.json``) or None for the folder's own.
-        path: an LM folder for :func:`diffmm.eval.loading.load_lm` (used by ``--model_args``).
+        path: an LM folder ``diffmm.load_pretrained`` reads (lm-eval's ``--model_args``; see
+            :func:`~diffmm.eval.loading.load_lm`).
         batch_size: sequences per forward when scoring.
         max_length: context limit (default: the model's ``block_size``).
         max_gen_toks: default cap of generated tokens.
@@ -60,11 +59,10 @@ class DiffmmLM(LM):  # type: ignore[misc,valid-type]
         _require_lm_eval()
         super().__init__()
         if model is None:  # built from lm-eval's --model_args: path=..., tokenizer=<spec string>
-            from diffmm.eval.loading import load_lm
-
             if path is None:
                 raise EvalError("DiffmmLM needs a model and tokenizer, or path=LM_FOLDER")
-            model, tokenizer = load_lm(path, tokenizer if isinstance(tokenizer, str) else None, device=device)
+            model = load_lm(path, device=device)
+            tokenizer = lm_tokenizer(path, tokenizer if isinstance(tokenizer, str) else None)
         if tokenizer is None:
             raise EvalError("DiffmmLM needs a tokenizer")
         self.model, self.tok = model.eval(), tokenizer
@@ -146,9 +144,6 @@ def run_lm_eval(lm: "DiffmmLM", tasks: list[str], *, include_path: Optional[str]
     default to 1 so that ``datasets`` does not look online.
     """
     _require_lm_eval()
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if include_defaults is None:

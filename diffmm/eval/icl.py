@@ -90,24 +90,17 @@ class ICLResult:
 
 
 def pick_demonstrations(train: Sequence[Example], k: int, rng: random.Random) -> list[Example]:
-    """K demonstrations, as balanced over the labels as K allows."""
+    """K demonstrations, as balanced over the labels as K allows: the first example of every label (in sorted
+    label order), then the second, ..., each label's examples shuffled with ``rng``."""
+    if k > len(train):
+        raise EvalError(f"ICL: {k} demonstrations requested but the training set has {len(train)} examples")
     by_label: dict[str, list[Example]] = {}
     for ex in train:
         by_label.setdefault(ex[1], []).append(ex)
-    labels = sorted(by_label)
-    for lab in labels:
+    for lab in sorted(by_label):
         rng.shuffle(by_label[lab])
-    out, i = [], 0
-    while len(out) < k:
-        lab = labels[i % len(labels)]
-        pool = by_label[lab]
-        j = i // len(labels)
-        if j < len(pool):
-            out.append(pool[j])
-        elif all(i // len(labels) >= len(by_label[x]) for x in labels):
-            raise EvalError(f"ICL: {k} demonstrations requested but the training set has {len(train)} examples")
-        i += 1
-    return out
+    ranked = [(j, ex) for lab in sorted(by_label) for j, ex in enumerate(by_label[lab])]
+    return [ex for _, ex in sorted(ranked, key=lambda r: r[0])[:k]]
 
 
 def arrangements(demos: list[Example], cfg: ICLConfig, rng: random.Random) -> list[list[Example]]:

@@ -1,25 +1,31 @@
-"""Labelled image sources for evaluation, all streamed in batches with bounded memory.
+"""Image sources for evaluation, all streamed in batches with bounded memory.
+
+Labelled (``(images float (B,3,S,S), labels long (B,))`` batches, for zero-shot and linear probes):
 
 * :class:`ImageFolderSource`: ``ROOT/<class>/<image>`` (class index = sorted folder order).
 * :class:`IdxSource`: IDX image + label files (MNIST / Fashion-MNIST), read item by item.
 * :class:`ShardLabelSource`: webdataset shards with a label field (``cls`` or ``json:NAME``).
 
-Each yields ``(images float (B,3,S,S), labels long (B,))`` and counts skipped (unreadable)
-images in :attr:`skipped`; ``num_samples`` (if known) sizes the progress bar.
+Unlabelled (for ``diffmm classify``): :class:`ImageListSource` over the files of :func:`expand_image_inputs`.
+
+Each counts skipped (unreadable) images in :attr:`skipped`; ``num_samples`` (if known) sizes the progress bar.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import warnings
 from collections import Counter
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from diffmm.data.image_text import ImageLabelDataset
+from diffmm.data.stream import ShardLoader
 from diffmm.eval.common import EvalError
 from diffmm.eval.idx import IdxArray, find_idx_pair
 
@@ -32,48 +38,9 @@ UNLABELLED = ("a flat folder (or glob) of images has no labels, so accuracy cann
 GLOB_CHARS = ("*", "?", "[")
 
 
-class _SkipCollate:
-    """Stack the readable items of a batch; pass along what was skipped (``(reason, where)`` tuples)."""
+class ImageFiles(Dataset):
+    """Items ``(image tensor, label, "")`` of image files, or ``(None, label, why)`` for an unreadable one."""
 
-    def __call__(self, items):
-        good = [it for it in items if not isinstance(it, tuple) or it[0] != "__skip__"]
-        skipped = [it[1:] for it in items if isinstance(it, tuple) and it[0] == "__skip__"]
-        if good:
-            images = torch.stack([im for im, _ in good])
-            labels = torch.tensor([lb for _, lb in good], dtype=torch.long)
-        else:
-            images, labels = None, None
-        return images, labels, skipped
-
-
-class _MapSource:
-    """Batches of a map-style dataset whose items are ``(image, label)`` or ``("__skip__", reason, where)``."""
-
-    def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, name: str) -> None:
-        self.dataset, self.batch_size, self.num_workers, self.name = dataset, batch_size, num_workers, name
-        self.skipped: Counter = Counter()
-        self.classnames: list[str] | None = None
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.skipped = Counter()
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                            collate_fn=_SkipCollate(), persistent_workers=False)
-        warned = set()
-        for images, labels, skipped in loader:
-            for reason, where in skipped:
-                self.skipped[reason] += 1
-                if reason not in warned:
-                    warned.add(reason)
-                    log.warning(f"{self.name}: skipped {where} ({reason}); further ones are only counted")
-            if images is not None:
-                yield images, labels
-
-
-class _FolderDataset(Dataset):
     def __init__(self, files: list[tuple[str, int]], transform: Callable) -> None:
         self.files, self.transform = files, transform
 
@@ -87,22 +54,70 @@ class _FolderDataset(Dataset):
                 warnings.simplefilter("ignore")
                 with Image.open(path) as img:
                     img.load()
-                    return self.transform(img), label
+                    return self.transform(img), label, ""
         except Exception as e:  # PIL raises many types on bad files
-            return "__skip__", "unreadable_image", f"{path}: {type(e).__name__}: {e}"
+            return None, label, f"{path}: {type(e).__name__}: {e}"
 
 
-class ImageFolderSource(_MapSource):
+class IdxImages(Dataset):
+    """Items ``(image tensor, label, "")`` of IDX images (N, H, W) uint8 and their labels."""
+
+    def __init__(self, images: IdxArray, labels: np.ndarray, transform: Callable) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        img = Image.fromarray(np.ascontiguousarray(self.images[i]))  # uint8 (H, W) -> mode L
+        return self.transform(img), int(self.labels[i]), ""
+
+
+def _collate(items):
+    """Stack the readable ``(image, label, "")`` items; also return the reasons of the unreadable ones."""
+    good = [(im, lb) for im, lb, _ in items if im is not None]
+    images = torch.stack([im for im, _ in good]) if good else None
+    return images, torch.tensor([lb for _, lb in good], dtype=torch.long), [why for im, _, why in items if im is None]
+
+
+class MapSource:
+    """Batches of a map-style dataset of :class:`ImageFiles` / :class:`IdxImages` items through a DataLoader;
+    unreadable images are counted in :attr:`skipped` (``unreadable_image``) and the first one is logged."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, name: str) -> None:
+        self.dataset, self.batch_size, self.num_workers, self.name = dataset, batch_size, num_workers, name
+        self.skipped: Counter = Counter()
+        self.classnames: Optional[list[str]] = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.skipped = Counter()
+        for images, labels, unreadable in DataLoader(self.dataset, batch_size=self.batch_size,
+                                                     num_workers=self.num_workers, collate_fn=_collate):
+            if unreadable:
+                if not self.skipped:
+                    log.warning(f"{self.name}: skipped {unreadable[0]} (unreadable_image); further ones are only "
+                                f"counted")
+                self.skipped["unreadable_image"] += len(unreadable)
+            if images is not None:
+                yield images, labels
+
+
+class ImageFolderSource(MapSource):
     """``root/<class>/<image>`` images; labels follow the sorted class folder names.
 
     Args:
         root: the folder.
         transform: PIL image -> tensor (the model's eval preprocess).
         classnames: names to use in prompts, one per class folder (default: folder names, ``_`` -> space).
-        batch_size, num_workers: DataLoader settings.
+        batch_size: images per batch.
+        num_workers: DataLoader workers.
     """
 
-    def __init__(self, root: str, transform: Callable, classnames: Sequence[str] | None = None,
+    def __init__(self, root: str, transform: Callable, classnames: Optional[Sequence[str]] = None,
                  batch_size: int = 64, num_workers: int = 2) -> None:
         if not os.path.isdir(root):
             raise EvalError(f"image folder not found: {root}")
@@ -114,60 +129,40 @@ class ImageFolderSource(_MapSource):
         if classnames is not None and len(classnames) != len(folders):
             raise EvalError(f"{len(classnames)} class names given but {root} has {len(folders)} class subfolders "
                             f"({', '.join(folders[:6])}{', ...' if len(folders) > 6 else ''})")
-        files = []
-        for label, folder in enumerate(folders):
-            for dirpath, _, names in sorted(os.walk(os.path.join(root, folder))):
-                files += [(os.path.join(dirpath, n), label) for n in sorted(names)
-                          if n.lower().endswith(IMAGE_EXTENSIONS)]
+        files = [(os.path.join(d, n), label) for label, folder in enumerate(folders)
+                 for d, _, names in sorted(os.walk(os.path.join(root, folder)))
+                 for n in sorted(names) if n.lower().endswith(IMAGE_EXTENSIONS)]
         if not files:
             raise EvalError(f"{root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in the class subfolders")
-        super().__init__(_FolderDataset(files, transform), batch_size, num_workers, name=root)
+        super().__init__(ImageFiles(files, transform), batch_size, num_workers, name=root)
         self.classnames = list(classnames) if classnames is not None else [f.replace("_", " ") for f in folders]
-        self.folders = folders
 
 
-class _IdxDataset(Dataset):
-    def __init__(self, images: IdxArray, labels: np.ndarray, transform: Callable) -> None:
-        self.images, self.labels, self.transform = images, labels, transform
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int):
-        arr = self.images[i]
-        img = Image.fromarray(np.ascontiguousarray(arr if arr.ndim == 2 else arr.squeeze()))  # uint8 (H, W) -> mode L
-        return self.transform(img), int(self.labels[i])
-
-
-class IdxSource(_MapSource):
-    """IDX images (N, H, W) uint8 and labels (N,) uint8, e.g. Fashion-MNIST.
+class IdxSource(MapSource):
+    """The IDX images (N, H, W) uint8 and labels (N,) of one split in a folder (MNIST file names), e.g. Fashion-MNIST.
 
     Args:
-        images, labels: the two IDX files; or ``folder`` + ``split`` with MNIST file names.
+        folder: the folder holding ``train-*`` / ``t10k-*`` IDX files (gzipped or not).
         transform: PIL image -> tensor.
+        split: ``train`` or ``test``.
         num_classes: if given, every label must be below it (one-line error otherwise).
+        batch_size: images per batch.
+        num_workers: DataLoader workers.
     """
 
-    def __init__(self, images: str | None = None, labels: str | None = None, transform: Callable | None = None, *,
-                 folder: str | None = None, split: str = "test", num_classes: int | None = None,
+    def __init__(self, folder: str, transform: Callable, *, split: str = "test", num_classes: Optional[int] = None,
                  batch_size: int = 64, num_workers: int = 0) -> None:
-        if folder is not None:
-            images, labels = find_idx_pair(folder, split)
-        if images is None or labels is None or transform is None:
-            raise EvalError("IdxSource needs images and labels files (or folder=) and a transform")
-        img = IdxArray(images)
-        lab = IdxArray(labels)
+        images, labels = find_idx_pair(folder, split)
+        img, lab = IdxArray(images), IdxArray(labels)
         if len(img.shape) != 3 or img.dtype != np.uint8:
             raise EvalError(f"{images}: expected uint8 images of shape (N, H, W); got {img.dtype} {img.shape}")
-        if len(lab.shape) != 1:
-            raise EvalError(f"{labels}: expected labels of shape (N,); got {lab.shape}")
-        if len(img) != len(lab):
-            raise EvalError(f"{images} has {len(img)} images but {labels} has {len(lab)} labels")
+        if lab.shape != (len(img),):
+            raise EvalError(f"{labels}: expected {len(img)} labels (one per image of {images}); got shape {lab.shape}")
         label_arr = lab.read_all().astype(np.int64)
         if num_classes is not None and len(label_arr) and int(label_arr.max()) >= num_classes:
             raise EvalError(f"{labels}: labels go up to {int(label_arr.max())} ({int(label_arr.max()) + 1} classes) "
                             f"but {num_classes} class names were given")
-        super().__init__(_IdxDataset(img, label_arr, transform), batch_size, num_workers, name=images)
+        super().__init__(IdxImages(img, label_arr, transform), batch_size, num_workers, name=images)
 
 
 class ShardLabelSource:
@@ -177,13 +172,12 @@ class ShardLabelSource:
         urls: shard spec (brace expansion allowed).
         transform: PIL image -> tensor.
         label_field: ``cls`` or ``json:NAME``.
+        batch_size: images per batch.
+        num_workers: DataLoader workers.
     """
 
     def __init__(self, urls: str | Sequence[str], transform: Callable, label_field: str = "cls",
                  batch_size: int = 64, num_workers: int = 2) -> None:
-        from diffmm.data.image_text import ImageLabelDataset
-        from diffmm.data.stream import ShardLoader
-
         try:
             self.dataset = ImageLabelDataset(urls, batch_size, transform=transform, label_field=label_field,
                                              train=False, shuffle=False, equalize=False, name="eval")
@@ -191,42 +185,32 @@ class ShardLabelSource:
             raise EvalError(f"shards {urls}: {e}") from None
         self.loader = ShardLoader(self.dataset, num_workers=num_workers)
         self.skipped: Counter = Counter()
-        self.classnames: list[str] | None = None
+        self.classnames: Optional[list[str]] = None
         self.name = str(urls)
 
     @property
-    def num_samples(self) -> int | None:
-        from diffmm.data.sizes import total_samples
-
-        try:
-            return int(total_samples(self.dataset.urls))
-        except Exception:  # no sizes.json: the progress bar has no total
-            return None
+    def num_samples(self) -> Optional[int]:
+        """Images in the shards when their sizes are known (``sizes.json``, counted once), else None."""
+        return self.dataset.samples_per_epoch if self.dataset.shard_counts() is not None else None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.skipped = Counter()
         yield from self.loader
         snap = self.dataset.stats.snapshot()
         self.skipped = Counter({k[len("skip_"):]: v for k, v in snap.items() if k.startswith("skip_") and v})
-        for k in ("shards_failed", "shards_truncated"):
-            if snap.get(k):
-                self.skipped[k] = snap[k]
+        self.skipped.update({k: snap[k] for k in ("shards_failed", "shards_truncated") if snap.get(k)})
 
 
-def open_image_source(spec: str, transform: Callable, *, classnames: Sequence[str] | None = None,
+def open_image_source(spec: str, transform: Callable, *, classnames: Optional[Sequence[str]] = None,
                       label_field: str = "cls", split: str = "test", batch_size: int = 64,
-                      num_workers: int = 2) -> _MapSource | ShardLabelSource:
-    """Pick the source for ``spec``: a folder of IDX files, an image folder, or a shard spec (``.tar``).
-
-    ``idx:FOLDER`` forces IDX; a folder holding ``*-idx3-ubyte[.gz]`` files is IDX too.
-    """
-    if spec.startswith("idx:"):
-        return IdxSource(transform=transform, folder=spec[4:], split=split, batch_size=batch_size,
+                      num_workers: int = 2) -> MapSource | ShardLabelSource:
+    """The labelled source of ``spec``: a folder of IDX files (or ``idx:FOLDER``), an image folder, or a shard spec
+    (``.tar``)."""
+    is_idx = spec.startswith("idx:") or (os.path.isdir(spec) and any(
+        n.endswith(("idx3-ubyte", "idx3-ubyte.gz")) for n in os.listdir(spec)))
+    if is_idx:
+        return IdxSource(spec.removeprefix("idx:"), transform, split=split, batch_size=batch_size,
                          num_workers=num_workers, num_classes=len(classnames) if classnames else None)
     if os.path.isdir(spec):
-        if any(n.endswith(("idx3-ubyte", "idx3-ubyte.gz")) for n in os.listdir(spec)):
-            return IdxSource(transform=transform, folder=spec, split=split, batch_size=batch_size,
-                             num_workers=num_workers, num_classes=len(classnames) if classnames else None)
         return ImageFolderSource(spec, transform, classnames, batch_size=batch_size, num_workers=num_workers)
     if ".tar" in spec or spec.startswith("pipe:"):
         return ShardLabelSource(spec, transform, label_field, batch_size=batch_size, num_workers=num_workers)
@@ -243,10 +227,7 @@ def expand_image_inputs(specs: Sequence[str]) -> list[str]:
     A spec that matches nothing is a one-line error naming it. Files are not opened here: unreadable ones are
     skipped and counted by :class:`ImageListSource`.
     """
-    import glob
-
-    out: list[str] = []
-    seen: set[str] = set()
+    out: dict[str, None] = {}
     for spec in specs:
         if os.path.isdir(spec):
             found = [os.path.join(d, n) for d, _, names in sorted(os.walk(spec)) for n in sorted(names)
@@ -261,26 +242,24 @@ def expand_image_inputs(specs: Sequence[str]) -> list[str]:
                 raise EvalError(f"{spec}: the pattern matches no files")
         else:
             raise EvalError(f"{spec}: no such image file, folder or pattern")
-        for path in found:
-            if path not in seen:
-                seen.add(path)
-                out.append(path)
-    return out
+        out.update(dict.fromkeys(found))
+    return list(out)
 
 
-class ImageListSource(_MapSource):
+class ImageListSource(MapSource):
     """Unlabelled images from a list of files: yields ``(images (B,3,S,S), indices (B,))``, where ``indices``
     point into :attr:`files` (unreadable images are skipped, counted in :attr:`skipped` and logged once).
 
     Args:
         files: image paths (see :func:`expand_image_inputs`).
         transform: PIL image -> tensor (the model's eval preprocess).
-        batch_size, num_workers: DataLoader settings.
+        batch_size: images per batch.
+        num_workers: DataLoader workers.
     """
 
     def __init__(self, files: Sequence[str], transform: Callable, batch_size: int = 64, num_workers: int = 2) -> None:
         if not files:
             raise EvalError("no images given")
         self.files = list(files)
-        super().__init__(_FolderDataset([(f, i) for i, f in enumerate(self.files)], transform), batch_size,
-                         num_workers, name="images")
+        super().__init__(ImageFiles([(f, i) for i, f in enumerate(self.files)], transform), batch_size, num_workers,
+                         name="images")

@@ -10,7 +10,9 @@ fits stopped by ``max_iter`` can differ from cold starts).
 """
 from __future__ import annotations
 
+import itertools
 import time
+import warnings
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -26,18 +28,13 @@ def extract_features(model, source: Iterable, *, precision: str = "auto", normal
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Image features (N, D) float32 and labels (N,) of a labelled image source (first ``max_batches`` batches)."""
     feats, labels = [], []
-    total = getattr(source, "num_samples", None)
-    bar = progress(None, total=total, desc=desc, enable=show_progress, unit="img") if show_progress else None
-    for b, (images, y) in enumerate(source):
-        if max_batches is not None and b >= max_batches:
-            break
+    bar = progress(total=getattr(source, "num_samples", None), desc=desc, enable=show_progress, unit="img")
+    for images, y in itertools.islice(source, max_batches):
         f = encode_images(model, images, precision=precision) if normalize else model.encode_image(images).float()
         feats.append(f.cpu().numpy().astype(np.float32))
         labels.append(y.numpy())
-        if bar is not None:
-            bar.update(len(y))
-    if bar is not None:
-        bar.close()
+        bar.update(len(y))
+    bar.close()
     if not feats:
         raise EvalError("linear probe: the image source gave no images")
     return np.concatenate(feats), np.concatenate(labels)
@@ -45,15 +42,12 @@ def extract_features(model, source: Iterable, *, precision: str = "auto", normal
 
 def _fit(X, y, C: float, max_iter: int, seed: int, clf=None):
     """Fit an L-BFGS logistic regression; with ``clf`` (same data), warm-start from its solution."""
-    try:
+    try:  # scikit-learn is optional (the diffmm 'eval' extra)
+        from sklearn.exceptions import ConvergenceWarning
         from sklearn.linear_model import LogisticRegression
     except ImportError:
         raise EvalError("the linear probe needs scikit-learn: pip install scikit-learn (or the diffmm 'eval' "
                         "extra)") from None
-    import warnings
-
-    from sklearn.exceptions import ConvergenceWarning
-
     if clf is None:
         clf = LogisticRegression(C=C, max_iter=max_iter, random_state=seed, warm_start=True)
     clf.set_params(C=C)

@@ -1,79 +1,67 @@
-"""Load the models an evaluation runs on: CLIP-like models (diffmm, open_clip) and LMs (+ tokenizer)."""
+"""What an evaluation runs on, loaded through the one factory (:mod:`diffmm.hub.factory`): a CLIP-like model with
+its own preprocessing and tokenizer, or an LM and its tokenizer."""
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
 from diffmm.eval.common import EvalError, resolve_device
+from diffmm.hub.factory import create_model, has_weights, load_pretrained, random_weights_message
+from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
+from diffmm.models.lm import DiffLM, LMConfig
 
 log = logging.getLogger("diffmm.eval")
 
+#: prefix of an LM given as a named :class:`~diffmm.models.lm.LMConfig` with random weights (smoke runs)
+LM_CONFIG_PREFIX = "config:"
 
-def load_clip(model: str, pretrained: str | None = None, *, device: str | torch.device | None = None,
-              trust_pickle: bool = False, warn_random: bool = True,
-              **kwargs: Any) -> tuple[torch.nn.Module, Callable, Callable]:
-    """``(model, eval_preprocess, tokenizer)`` of a CLIP-like model, in eval mode: the one model resolution of
-    ``diffmm eval``, ``diffmm classify`` and ``diffmm export`` (``diffmm.create_model``'s rule for names).
+
+def load_clip(model: str, pretrained: Optional[str] = None, *, device: str | torch.device | None = "auto",
+              trust_pickle: bool = False, seed: int = 0,
+              **overrides: Any) -> tuple[torch.nn.Module, Callable, Callable]:
+    """``(model, eval_preprocess, tokenizer)`` of a CLIP-like model in eval mode (``diffmm.create_model``'s rule
+    for names); the preprocessing and tokenizer are the model's own (``transforms_for`` / ``tokenizer_for``).
 
     Args:
-        model: a diffmm config name (``diffmm.list_models()``) or config JSON; ``open_clip:NAME``;
-            ``local-dir:FOLDER`` / ``hf-hub:ORG/REPO``; or a path to weights: a Lightning ``.ckpt`` from
-            ``diffmm fit``, a diffmm export folder, an open_clip / official DiffCLIP checkpoint file.
-        pretrained: weights for a config name or ``open_clip:NAME`` (any format diffmm loads; for open_clip names
-            also an open_clip tag).
+        model: a diffmm config name or config JSON, ``open_clip:NAME``, ``local-dir:FOLDER`` / ``hf-hub:ORG/REPO``,
+            or a path to weights (a Lightning ``.ckpt`` from ``diffmm fit``, an export folder, an open_clip or
+            official DiffCLIP checkpoint).
+        pretrained: weights for a config name or ``open_clip:NAME`` (without them: random weights and a warning).
+        device: ``cpu``, ``cuda``, ``cuda:1`` or ``auto``.
         trust_pickle: allow pickled checkpoints that need full unpickling (official DiffCLIP files).
-        warn_random: log a warning when the model has random weights (no ``pretrained``, not a checkpoint).
-
-    The preprocessing (image size, mean/std) and the tokenizer (context length, truncation) are the model's own
-    (its config: e.g. ImageNet mean/std and the official truncation for official DiffCLIP checkpoints).
+        seed: torch seed before the model is built (random-weight runs).
+        overrides: config fields for ``diffmm.create_model`` (e.g. a smaller ``vision_cfg``).
     """
-    import diffmm
-    from diffmm.models.clip.preprocess import tokenizer_for
-    from diffmm.hub.factory import UnknownModelError, has_weights, random_weights_message
-
-    device = resolve_device(device)
-    try:
-        random = not has_weights(model, pretrained)
-        net, _, preprocess = diffmm.create_model_and_transforms(model, pretrained, device=device,
-                                                                trust_pickle=trust_pickle, **kwargs)
-    except UnknownModelError as e:
-        raise EvalError(str(e)) from None
-    except PermissionError as e:
-        raise EvalError(f"cannot load model {model!r}: {e}") from None
-    except (FileNotFoundError, KeyError, ValueError, RuntimeError, TypeError, ConnectionError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        raise EvalError(f"cannot load model {model!r} (pretrained={pretrained!r}): {msg}") from None
-    if random and warn_random:
+    torch.manual_seed(seed)
+    if not has_weights(model, pretrained):
         log.warning(random_weights_message(model))
+    net = create_model(model, pretrained, device=resolve_device(device), trust_pickle=trust_pickle, **overrides)
     if not (callable(getattr(net, "encode_image", None)) and callable(getattr(net, "encode_text", None))):
         raise EvalError(f"{model!r} builds a {type(net).__name__}, not a CLIP model (no encode_image / encode_text)")
-    return net.eval(), preprocess, tokenizer_for(net)
+    return net.eval(), transforms_for(net)[1], tokenizer_for(net)
 
 
-def load_lm(path: str, tokenizer: str | None = None, *, device: str | torch.device | None = None,
-            trust_pickle: bool = False) -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)`` for an LM saved in a format ``diffmm.load_pretrained`` knows.
+def load_lm(lm: str, *, vocab_size: Optional[int] = None, block_size: Optional[int] = None,
+            device: str | torch.device | None = "auto", trust_pickle: bool = False, seed: int = 0) -> torch.nn.Module:
+    """An LM in eval mode: anything ``diffmm.load_pretrained`` reads (a Lightning ``.ckpt`` of ``diffmm fit``, a
+    diffmm export or a DiffLlama folder), or ``config:NAME``: random weights (seeded with ``seed``) of a named
+    :class:`~diffmm.models.lm.LMConfig` with ``vocab_size`` and ``block_size`` (when given) overridden."""
+    if lm.startswith(LM_CONFIG_PREFIX):
+        torch.manual_seed(seed)
+        sizes = {"vocab_size": vocab_size, "block_size": block_size}
+        model = DiffLM(LMConfig.from_name(lm[len(LM_CONFIG_PREFIX):], **{k: v for k, v in sizes.items() if v}))
+    else:
+        model = load_pretrained(lm, trust_pickle=trust_pickle)
+    return model.to(resolve_device(device)).eval()
 
-    Args:
-        path: a diffmm export folder or a HF DiffLlama folder.
-        tokenizer: ``clip``, a ``tokenizer.json`` (or a folder with one); default: ``PATH/tokenizer.json``
-            if present, else the CLIP BPE.
-    """
-    from diffmm.data.tokenizers import load_lm_tokenizer
-    from diffmm.hub import load_pretrained
 
-    device = resolve_device(device)
-    try:
-        model = load_pretrained(path, trust_pickle=trust_pickle) if trust_pickle else load_pretrained(path)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        raise EvalError(f"cannot load LM {path!r}: {e}") from None
+def lm_tokenizer(lm: str, tokenizer: Optional[str] = None) -> LMTokenizer:
+    """The tokenizer ``tokenizer`` names (``clip``, a ``tokenizer.json`` or a folder holding one); by default the
+    LM folder's ``tokenizer.json``, else the CLIP BPE."""
     if tokenizer is None:
-        tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else "clip"
-    try:
-        tok = load_lm_tokenizer(tokenizer)
-    except (FileNotFoundError, ValueError) as e:
-        raise EvalError(f"tokenizer {tokenizer!r}: {e}") from None
-    return model.to(device).eval(), tok
+        tokenizer = lm if os.path.isfile(os.path.join(lm, "tokenizer.json")) else "clip"
+    return load_lm_tokenizer(tokenizer)

@@ -17,7 +17,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -57,24 +57,23 @@ class NeedleConfig:
 
 
 def load_haystack(paths: str | Sequence[str], max_chars: int = 2_000_000) -> list[str]:
-    """Sentences of real text from files or folders (``*.txt`` files, recursively, in sorted order)."""
+    """Sentences of real text from files or folders (``*.txt`` files, recursively, in sorted order), read until
+    ``max_chars`` characters."""
     files: list[str] = []
     for p in [paths] if isinstance(paths, str) else paths:
         if os.path.isdir(p):
-            for root, _, names in sorted(os.walk(p)):
-                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".txt")]
+            files += [os.path.join(d, n) for d, _, names in sorted(os.walk(p)) for n in sorted(names)
+                      if n.endswith(".txt")]
         elif os.path.isfile(p):
             files.append(p)
         else:
             raise EvalError(f"haystack: no such file or folder: {p}")
-    text, n = [], 0
+    text: list[str] = []
     for f in files:
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            t = fh.read()
-        text.append(t)
-        n += len(t)
-        if n >= max_chars:
+        if sum(map(len, text)) >= max_chars:
             break
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            text.append(fh.read())
     return split_sentences("\n".join(text))
 
 
@@ -90,14 +89,13 @@ def split_sentences(text: str) -> list[str]:
 
 @dataclass
 class NeedlePrompt:
-    """One prompt: tokens, the queried key/value and where its needle sits (token span, depth)."""
+    """One prompt: tokens, the queried key/value, where its needle sits (token span) and the depth it got."""
 
     tokens: list[int]
     key: str
     value: str
     span: tuple[int, int]
     depth: float
-    target_depth: float
 
 
 class NeedleBuilder:
@@ -105,13 +103,26 @@ class NeedleBuilder:
 
     def __init__(self, tokenizer, sentences: Sequence[str], cfg: NeedleConfig) -> None:
         self.tok, self.sentences, self.cfg = tokenizer, list(sentences), cfg
-        self._cache: dict[int, list[int]] = {}
+        self._tokens: dict[int, list[int]] = {}  # sentence index -> its tokens
 
-    def _sent(self, i: int) -> list[int]:
-        i %= len(self.sentences)
-        if i not in self._cache:
-            self._cache[i] = self.tok.encode(" " + self.sentences[i])
-        return self._cache[i]
+    def _haystack(self, budget: int, rng: random.Random) -> list[list[int]]:
+        """Consecutive sentences from a random start, as many as fit ``budget`` tokens; a sentence longer than the
+        whole budget is skipped, not the end of the haystack."""
+        hay, used, start = [], 0, rng.randrange(len(self.sentences))
+        for i in range(start, start + 4 * len(self.sentences)):
+            i %= len(self.sentences)
+            if i not in self._tokens:
+                self._tokens[i] = self.tok.encode(" " + self.sentences[i])
+            s = self._tokens[i]
+            if len(s) > budget:
+                continue
+            if used + len(s) > budget:
+                break
+            hay.append(s)
+            used += len(s)
+        if not hay:
+            raise EvalError(f"needle: no haystack sentence fits {budget} tokens; raise context_length")
+        return hay
 
     def trial(self, depth: float, rng: random.Random) -> list[NeedlePrompt]:
         """The R prompts of one trial (same haystack and needles, one question each)."""
@@ -123,25 +134,13 @@ class NeedleBuilder:
         budget = cfg.context_length - sum(map(len, needles)) - max(map(len, questions))
         if budget < 1:
             raise EvalError(f"needle: context_length {cfg.context_length} leaves no room for a haystack")
-        hay, i = [], rng.randrange(len(self.sentences))
-        used = 0
-        for _ in range(4 * len(self.sentences)):  # sentences longer than the whole budget are skipped
-            s = self._sent(i)
-            i += 1
-            if len(s) > budget:
-                continue
-            if used + len(s) > budget:
-                break
-            hay.append(s)
-            used += len(s)
-        if not hay:
-            raise EvalError(f"needle: no haystack sentence fits {budget} tokens; raise context_length")
+        hay = self._haystack(budget, rng)
         bounds = np.cumsum([0] + [len(s) for s in hay])  # token offsets of the sentence boundaries
-        at = int(np.argmin(np.abs(bounds - depth * used)))  # boundary for the queried needles
-        slots: dict[int, list[int]] = {at: list(range(cfg.num_queried))}
-        rng_order = slots[at]
-        rng.shuffle(rng_order)
-        for j in range(cfg.num_queried, cfg.num_needles):
+        at = int(np.argmin(np.abs(bounds - depth * bounds[-1])))  # the boundary of the queried needles
+        queried = list(range(cfg.num_queried))
+        rng.shuffle(queried)
+        slots: dict[int, list[int]] = {at: queried}
+        for j in range(cfg.num_queried, cfg.num_needles):  # the distractors, at random boundaries
             slots.setdefault(rng.randrange(len(hay) + 1), []).append(j)
         seq: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -149,10 +148,8 @@ class NeedleBuilder:
             for j in slots.get(b, []):
                 spans[j] = (len(seq), len(seq) + len(needles[j]))
                 seq += needles[j]
-            if b < len(hay):
-                seq += hay[b]
-        real_depth = float(bounds[at] / used) if used else 0.0
-        return [NeedlePrompt(seq + questions[r], keys[r], values[r], spans[r], real_depth, depth)
+            seq += hay[b] if b < len(hay) else []
+        return [NeedlePrompt(seq + questions[r], keys[r], values[r], spans[r], float(bounds[at] / bounds[-1]))
                 for r in range(cfg.num_queried)]
 
 
@@ -233,34 +230,21 @@ def multi_needle(model, tokenizer, haystack: Sequence[str], cfg: NeedleConfig, *
     stop = (tokenizer.eos_id,) if getattr(tokenizer, "eos_id", None) is not None else ()
     acc: dict[float, float] = {}
     att: dict[float, float] = {}
-    n_prompts = 0
     t0 = time.perf_counter()
-    bar = progress(None, total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles",
-                   enable=show_progress, unit="prompt") if show_progress else None
+    bar = progress(total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles", enable=show_progress,
+                   unit="prompt")
     for depth in cfg.depths:
         hits, shares = [], []
-        for _ in range(cfg.trials):
-            for p in builder.trial(depth, rng):
-                gen = greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop)
-                hits.append(_answered(tokenizer, gen, p.value))
-                if measure_attention:
-                    shares.append(answer_attention(model, p.tokens, p.span)["answer"])
-                n_prompts += 1
-                if bar is not None:
-                    bar.update(1)
+        for p in (p for _ in range(cfg.trials) for p in builder.trial(depth, rng)):
+            hits.append(_answered(tokenizer, greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop),
+                                  p.value))
+            if measure_attention:
+                shares.append(answer_attention(model, p.tokens, p.span)["answer"])
+            bar.update(1)
         acc[depth] = float(np.mean(hits))
         if shares:
             att[depth] = float(np.mean(shares))
-    if bar is not None:
-        bar.close()
-    return NeedleResult(asdict(cfg), acc, att, n_prompts, time.perf_counter() - t0)
+    bar.close()
+    return NeedleResult(asdict(cfg), acc, att, len(cfg.depths) * cfg.trials * cfg.num_queried,
+                        time.perf_counter() - t0)
 
-
-def needle_sweep(model, tokenizer, haystack: Sequence[str], context_lengths: Iterable[int], base: NeedleConfig,
-                 **kwargs) -> dict[int, NeedleResult]:
-    """:func:`multi_needle` at several context lengths (same N, R, depths and trials)."""
-    out = {}
-    for L in context_lengths:
-        cfg = NeedleConfig(**{**asdict(base), "context_length": int(L)})
-        out[int(L)] = multi_needle(model, tokenizer, haystack, cfg, **kwargs)
-    return out

@@ -10,6 +10,7 @@ beyond that is the median of a uniform random sample of that size (reported as `
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Iterable, Optional
 
@@ -105,12 +106,9 @@ def activation_outliers(model, batches: Iterable[torch.Tensor], *, max_batches: 
     with AttentionRecorder(model, on_record=on_attention) as rec:
         handles = [m.register_forward_hook(on_block) for _, m in _block_of(model, [n for n, _, _ in rec.layers])]
         try:
-            it = progress(batches, total=max_batches, desc="outliers", enable=show_progress, unit="batch")
-            for b, batch in enumerate(it):
-                if max_batches is not None and b >= max_batches:
-                    break
-                batch = batch[0] if isinstance(batch, (tuple, list)) else batch
-                idx = batch.to(device)
+            for batch in progress(itertools.islice(batches, max_batches), total=max_batches, desc="outliers",
+                                  enable=show_progress, unit="batch"):
+                idx = (batch[0] if isinstance(batch, (tuple, list)) else batch).to(device)
                 lm_logits(model, idx)
                 tokens += idx.numel()
         finally:

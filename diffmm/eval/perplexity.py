@@ -5,6 +5,7 @@ mean negative log-likelihood over all rows, ``ppl = exp(nll)``, ``bits_per_token
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Iterable, Optional
@@ -12,6 +13,8 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 
+from diffmm.data.stream import ShardLoader
+from diffmm.data.text import TextDataset
 from diffmm.eval.common import autocast, markdown_table, model_device, progress
 from diffmm.eval.lm_utils import lm_logits
 
@@ -24,22 +27,17 @@ def evaluate_perplexity(model, batches: Iterable[torch.Tensor], *, precision: st
     device = model_device(model)
     nll, tokens, rows = 0.0, 0, 0
     t0 = time.perf_counter()
-    bar = progress(None, total=total, desc="perplexity", enable=show_progress, unit="row") if show_progress else None
-    for b, batch in enumerate(batches):
-        if max_batches is not None and b >= max_batches:
-            break
-        batch = batch[0] if isinstance(batch, (tuple, list)) else batch
-        batch = batch.to(device)
+    bar = progress(total=total, desc="perplexity", enable=show_progress, unit="row")
+    for batch in itertools.islice(batches, max_batches):
+        batch = (batch[0] if isinstance(batch, (tuple, list)) else batch).to(device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with autocast(device, precision):
             logits = lm_logits(model, inputs)
         nll += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
         tokens += targets.numel()
         rows += batch.shape[0]
-        if bar is not None:
-            bar.update(batch.shape[0])
-    if bar is not None:
-        bar.close()
+        bar.update(batch.shape[0])
+    bar.close()
     mean = nll / tokens if tokens else math.nan
     return {"nll": mean, "perplexity": math.exp(mean) if tokens else math.nan,
             "bits_per_token": mean / math.log(2) if tokens else math.nan, "tokens": tokens, "rows": rows,
@@ -49,9 +47,6 @@ def evaluate_perplexity(model, batches: Iterable[torch.Tensor], *, precision: st
 def perplexity_on_shards(model, urls, tokenizer, seq_len: int, *, batch_size: int = 8, num_workers: int = 1,
                          **kwargs) -> dict:
     """:func:`evaluate_perplexity` over text shards (``KEY.txt`` documents), each document read once."""
-    from diffmm.data.stream import ShardLoader
-    from diffmm.data.text import TextDataset
-
     ds = TextDataset(urls, batch_size, seq_len, tokenizer=tokenizer, train=False, shuffle=False, equalize=False,
                      name="perplexity")
     result = evaluate_perplexity(model, ShardLoader(ds, num_workers=num_workers), **kwargs)

@@ -1,4 +1,5 @@
-"""Pictures (PNG, matplotlib Agg): CLIP / DiffCLIP attention maps, needle attention, loss curves.
+"""Pictures (PNG, drawn on matplotlib ``Figure`` objects, no pyplot state): CLIP / DiffCLIP attention maps,
+needle attention, loss curves.
 
 * :func:`cls_attention` + :func:`plot_attention_maps`: the CLS token's attention over the image patches
   in one vision layer, per head and averaged, overlaid on the image. Differential layers show
@@ -15,24 +16,16 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
 from diffmm.eval.attention_capture import AttentionRecorder
 from diffmm.eval.common import EvalError, model_device
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: str) -> str:
+def save_figure(fig: Figure, out: str) -> str:
+    """Write ``fig`` as a PNG (parent folders created); returns the path."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
-    _plt().close(fig)
     return out
 
 
@@ -84,11 +77,11 @@ def plot_attention_maps(image, entries: Mapping[str, dict], out: str, *, max_hea
         image: what to draw under the maps (PIL image or (3, H, W) tensor; the model's input size).
         entries: label -> :func:`cls_attention` result.
     """
-    plt = _plt()
     img = _show_image(image)
     H, W = img.shape[:2]
     n_cols = 2 + min(max_heads, max(e["heads"].shape[0] for e in entries.values()))
-    fig, axes = plt.subplots(len(entries), n_cols, figsize=(2.1 * n_cols, 2.3 * len(entries)), squeeze=False)
+    fig = Figure(figsize=(2.1 * n_cols, 2.3 * len(entries)))
+    axes = fig.subplots(len(entries), n_cols, squeeze=False)
     for row, (label, e) in enumerate(entries.items()):
         panels = [("image", None), ("mean", e["mean"])] + [(f"head {i}", m) for i, m in
                                                              enumerate(e["heads"][:max_heads])]
@@ -109,7 +102,7 @@ def plot_attention_maps(image, entries: Mapping[str, dict], out: str, *, max_hea
     kinds = {e["kind"] for e in entries.values()}
     note = "; DIFF layers: A1 - lambda*A2 (may be < 0)" if kinds - {"standard"} else ""
     fig.suptitle(f"{title} (each panel scaled to its own [min, max], blue -> red{note})", fontsize=9)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def plot_needle_attention(results: Mapping[str, Mapping[str, Mapping[float, float]]], out: str, *,
@@ -118,13 +111,13 @@ def plot_needle_attention(results: Mapping[str, Mapping[str, Mapping[float, floa
 
     Args:
         results: label -> {"attention": {depth: share on the answer}, "accuracy": {depth: acc}} (either optional;
-            a :meth:`NeedleResult.to_dict` works after renaming, see :func:`needle_plot_input`).
+            from a :class:`~diffmm.eval.needle.NeedleResult`: its ``attention_by_depth`` and ``accuracy_by_depth``).
     """
-    plt = _plt()
     panels = [k for k in ("attention", "accuracy") if any(r.get(k) for r in results.values())]
     if not panels:
         raise EvalError("plot_needle_attention: no attention or accuracy values to draw")
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, key in zip(axes[0], panels):
         depths = sorted({float(d) for r in results.values() for d in r.get(key, {})})
         width = 0.8 / max(1, len(results))
@@ -140,12 +133,7 @@ def plot_needle_attention(results: Mapping[str, Mapping[str, Mapping[float, floa
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, out)
-
-
-def needle_plot_input(result) -> dict:
-    """``{"attention": ..., "accuracy": ...}`` from a :class:`~diffmm.eval.needle.NeedleResult`."""
-    return {"attention": dict(result.attention_by_depth), "accuracy": dict(result.accuracy_by_depth)}
+    return save_figure(fig, out)
 
 
 def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
@@ -175,7 +163,6 @@ def plot_loss_curves(runs: Mapping[str, str], out: str, *, metrics: Optional[Seq
         metrics: columns to draw.
         x: x-axis column (``step``; falls back to the row number).
     """
-    plt = _plt()
     data = {}
     for label, path in runs.items():
         if os.path.isdir(path):
@@ -185,7 +172,8 @@ def plot_loss_curves(runs: Mapping[str, str], out: str, *, metrics: Optional[Seq
         metrics = sorted({c for d in data.values() for c in d if "loss" in c.lower()})
     if not metrics:
         raise EvalError(f"no loss columns in {list(runs.values())}; pass metrics=")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.5), squeeze=False)
+    fig = Figure(figsize=(5 * len(metrics), 3.5))
+    axes = fig.subplots(1, len(metrics), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         for label, d in data.items():
             if m not in d:
@@ -200,4 +188,4 @@ def plot_loss_curves(runs: Mapping[str, str], out: str, *, metrics: Optional[Seq
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, out)
+    return save_figure(fig, out)

@@ -28,10 +28,13 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
 from diffmm.data.recall import IGNORE, RecallBatch, RecallTask, eval_batches, task_grid
 from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
 from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.lm_utils import lm_logits
+from diffmm.eval.plots import save_figure
 
 PARTS = ("answer", "distractor_pairs", "rest")
 log = logging.getLogger("diffmm.eval")
@@ -49,8 +52,6 @@ def answer_logits(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
     if hasattr(model, "forward_hidden") and hasattr(model, "lm_head"):
         logits = model.lm_head(model.forward_hidden(inputs)[mask])  # (M, V)
     else:
-        from diffmm.eval.lm_utils import lm_logits
-
         logits = lm_logits(model, inputs)[mask]
     return logits.float(), targets[mask]
 
@@ -219,8 +220,7 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    bar = progress(None, total=len(tasks) * examples, desc="recall", enable=show_progress,
-                   unit="seq") if show_progress else None
+    bar = progress(total=len(tasks) * examples, desc="recall", enable=show_progress, unit="seq")
     results = []
     try:
         for task in tasks:
@@ -234,8 +234,7 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
                     m = attention_mass(model, sub)
                     mass = m if mass is None else {k: mass[k] + m[k] for k in m}
                     seen += n
-                if bar is not None:
-                    bar.update(len(batch))
+                bar.update(len(batch))
             h = torch.cat(hits)  # (examples, Q)
             att = {}
             if mass is not None:
@@ -246,8 +245,7 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
             results.append(TaskResult(task.to_dict(), task.name, float(h.float().mean()),
                                       float(h.all(1).float().mean()), int(h.numel()), int(h.shape[0]), att))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         model.train(was_training)
     return RecallResult(results, seed, time.perf_counter() - t0)
 
@@ -265,50 +263,6 @@ def tasks_from_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterabl
     return tasks
 
 
-def load_recall_lm(spec: str, *, vocab_size: Optional[int] = None, block_size: Optional[int] = None,
-                   device: str | torch.device | None = None, seed: int = 0,
-                   trust_pickle: bool = False) -> torch.nn.Module:
-    """The LM to score: a Lightning ``.ckpt`` of ``diffmm fit`` (e.g. a ``configs/recall_*.yaml`` run), a
-    folder ``diffmm.load_pretrained`` reads, or ``config:NAME`` (random weights of an ``LMConfig`` preset with
-    ``vocab_size`` (default 256) and ``block_size`` (default the preset's) overridden; ``seed`` fixes them)."""
-    import os
-    from pathlib import Path
-
-    from diffmm.eval.common import resolve_device
-
-    device = resolve_device(device)
-    if spec.startswith("config:"):
-        from diffmm.models.lm import DiffLM, LMConfig
-
-        overrides: dict = {"vocab_size": vocab_size or 256}
-        if block_size:
-            overrides["block_size"] = block_size
-        torch.manual_seed(seed)
-        try:
-            return DiffLM(LMConfig.from_name(spec[len("config:"):], **overrides)).to(device).eval()
-        except ValueError as e:
-            raise EvalError(str(e)) from None
-    if not os.path.exists(spec):
-        raise EvalError(f"no such checkpoint or folder: {spec}")
-    if os.path.isfile(spec):
-        from diffmm.hub.checkpoint import peek_keys
-
-        if any(k in peek_keys(Path(spec)) for k in ("pytorch-lightning_version", "hyper_parameters")):
-            from diffmm.hub.factory import load_lightning
-
-            try:
-                return load_lightning(spec, kind="lm", trust_pickle=trust_pickle).to(device).eval()
-            except (KeyError, ValueError, TypeError) as e:
-                raise EvalError(f"cannot rebuild the LM of {spec}: {e}") from None
-    from diffmm.hub import load_pretrained
-
-    try:
-        model = load_pretrained(spec, trust_pickle=trust_pickle) if trust_pickle else load_pretrained(spec)
-    except (KeyError, ValueError) as e:
-        raise EvalError(f"cannot load LM {spec!r}: {e}") from None
-    return model.to(device).eval()
-
-
 # ---------------------------------------------------------------------------------------- plot
 def plot_recall(results: Mapping[str, dict], out: str, *, title: str = "Associative recall (MQAR)") -> str:
     """Accuracy against the sequence length (one panel per number of pairs, one line per model) and the
@@ -318,15 +272,13 @@ def plot_recall(results: Mapping[str, dict], out: str, *, title: str = "Associat
         results: label -> :meth:`RecallResult.to_dict` (or a dict with ``tasks`` (name, task, accuracy,
             optional ``accuracy_std``) and ``attention``), e.g. a mean over seeds.
     """
-    from diffmm.eval.plots import _plt, _save
-
-    plt = _plt()
     pairs = sorted({t["task"]["num_pairs"] for r in results.values() for t in r["tasks"]})
     if not pairs:
         raise EvalError("plot_recall: no results to draw")
     with_att = {k: r["attention"] for k, r in results.items() if r.get("attention")}
     n = len(pairs) + (1 if with_att else 0)
-    fig, axes = plt.subplots(1, n, figsize=(3.6 * n, 3.4), squeeze=False)
+    fig = Figure(figsize=(3.6 * n, 3.4))
+    axes = fig.subplots(1, n, squeeze=False)
     for ax, N in zip(axes[0], pairs):
         lens = set()
         for label, r in results.items():
@@ -368,4 +320,4 @@ def plot_recall(results: Mapping[str, dict], out: str, *, title: str = "Associat
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.subplots_adjust(wspace=0.35)
     fig.suptitle(title, fontsize=10, y=1.03)
-    return _save(fig, out)
+    return save_figure(fig, out)

@@ -8,12 +8,15 @@ similarities are computed in chunks.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from diffmm.data.decode import decode_image
+from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.eval.common import EvalError, markdown_table, model_device, progress
 from diffmm.eval.zeroshot import encode_images, encode_texts
 
@@ -31,33 +34,39 @@ def parse_captions(sample: dict, field: str) -> list[str]:
     return caps
 
 
-def _captions_dataset(urls, batch_size: int, transform: Callable, caption_field: str):
-    from diffmm.data.decode import decode_image
-    from diffmm.data.stream import ShardStream
+class ImageCaptionsDataset(ShardStream):
+    """Batches ``(images (B,3,S,S), captions list[list[str]])`` of image-text shards, each sample read once.
 
-    class ImageCaptionsDataset(ShardStream):
-        """Batches ``(images (B,3,S,S), captions list[list[str]])``; each sample read once."""
+    Args:
+        urls: shard spec.
+        batch_size: images per batch.
+        transform: PIL image -> tensor (the model's eval preprocess).
+        caption_field: ``txt`` (one caption a line) or ``json:NAME`` (a string or a list).
+    """
 
-        def _process(self, sample: dict):
-            where = f"{sample['__url__']}:{sample['__key__']}"
-            try:
-                caps = parse_captions(sample, caption_field)
-            except (KeyError, ValueError, UnicodeDecodeError) as e:
-                self.stats.skip("missing_text", where, f"{caption_field}: {type(e).__name__}: {e}")
-                return None
-            img = decode_image(sample, self.stats, where)
-            if img is None:
-                return None
-            try:
-                return transform(img), caps
-            except Exception as e:  # transform failures count as corrupt images
-                self.stats.skip("corrupt_image", where, f"transform failed: {type(e).__name__}: {e}")
-                return None
+    def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable,
+                 caption_field: str = "txt") -> None:
+        super().__init__(urls, batch_size, shuffle=False, equalize=False, name="retrieval")
+        self.transform, self.caption_field = transform, caption_field
 
-        def _collate(self, items):
-            return torch.stack([im for im, _ in items]), [c for _, c in items]
+    def _process(self, sample: dict):
+        where = f"{sample['__url__']}:{sample['__key__']}"
+        try:
+            caps = parse_captions(sample, self.caption_field)
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            self.stats.skip("missing_text", where, f"{self.caption_field}: {type(e).__name__}: {e}")
+            return None
+        img = decode_image(sample, self.stats, where)
+        if img is None:
+            return None
+        try:
+            return self.transform(img), caps
+        except Exception as e:  # transform failures count as corrupt images
+            self.stats.skip("corrupt_image", where, f"transform failed: {type(e).__name__}: {e}")
+            return None
 
-    return ImageCaptionsDataset(urls, batch_size, shuffle=False, equalize=False, name="retrieval")
+    def _collate(self, items):
+        return torch.stack([im for im, _ in items]), [c for _, c in items]
 
 
 def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, text_to_image: torch.Tensor,
@@ -92,22 +101,18 @@ def evaluate_retrieval(model, tokenizer, batches: Iterable[tuple[torch.Tensor, l
                        total: int | None = None, max_batches: int | None = None) -> dict[str, Any]:
     """Embed images and their captions batch by batch, then compute :func:`recall_at_k`."""
     device = model_device(model)
-    imgs, txts, owner = [], [], []
+    imgs, txts, owner = [], [], []  # owner[t]: index of caption t's image
     n_img = 0
     t0 = time.perf_counter()
-    bar = progress(None, total=total, desc="retrieval", enable=show_progress, unit="img") if show_progress else None
-    for b, (images, captions) in enumerate(batches):
-        if max_batches is not None and b >= max_batches:
-            break
+    bar = progress(total=total, desc="retrieval", enable=show_progress, unit="img")
+    for images, captions in itertools.islice(batches, max_batches):
         imgs.append(encode_images(model, images, precision=precision).cpu())
         flat = [c for caps in captions for c in caps]
         txts.append(encode_texts(model, tokenizer, flat, device=device, precision=precision).cpu())
         owner += [n_img + i for i, caps in enumerate(captions) for _ in caps]
         n_img += len(captions)
-        if bar is not None:
-            bar.update(len(captions))
-    if bar is not None:
-        bar.close()
+        bar.update(len(captions))
+    bar.close()
     if not n_img:
         raise EvalError("retrieval: no image-caption pair was read (see the skip counts in the log)")
     out: dict[str, Any] = recall_at_k(torch.cat(imgs), torch.cat(txts), torch.tensor(owner), ks)
@@ -118,20 +123,13 @@ def evaluate_retrieval(model, tokenizer, batches: Iterable[tuple[torch.Tensor, l
 def retrieval_on_shards(model, tokenizer, urls, transform: Callable, *, caption_field: str = "txt",
                         batch_size: int = 64, num_workers: int = 2, **kwargs) -> dict[str, Any]:
     """:func:`evaluate_retrieval` over image-text shards; adds the data counters (skips) to the result."""
-    from diffmm.data.stream import ShardLoader
-    from diffmm.data.sizes import total_samples
-
     try:
-        ds = _captions_dataset(urls, batch_size, transform, caption_field)
+        ds = ImageCaptionsDataset(urls, batch_size, transform, caption_field)
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(f"shards {urls}: {e}") from None
-    try:
-        total = int(total_samples(ds.urls))
-    except Exception:  # no sizes.json
-        total = None
+    total = ds.samples_per_epoch if ds.shard_counts() is not None else None
     out = evaluate_retrieval(model, tokenizer, ShardLoader(ds, num_workers=num_workers), total=total, **kwargs)
-    snap = ds.stats.snapshot()
-    out["skipped"] = {k[5:]: v for k, v in snap.items() if k.startswith("skip_") and v}
+    out["skipped"] = {k[len("skip_"):]: v for k, v in ds.stats.snapshot().items() if k.startswith("skip_") and v}
     return out
 
 

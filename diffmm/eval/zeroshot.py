@@ -10,9 +10,9 @@ counts, so memory does not grow with the number of images.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -162,13 +162,11 @@ def evaluate_zero_shot(model, classifier: torch.Tensor, source: Iterable, *, cla
         raise EvalError(f"{len(names)} class names for a classifier of {C} classes")
     confusion = torch.zeros(C * C, dtype=torch.long)
     ks = sorted(set(topk))
-    correct = Counter({k: 0 for k in ks})
-    total = total if total is not None else getattr(source, "num_samples", None)
-    bar = progress(None, total=total, desc="zero-shot", enable=show_progress, unit="img") if show_progress else None
+    correct = dict.fromkeys(ks, 0)
+    bar = progress(total=total if total is not None else getattr(source, "num_samples", None), desc="zero-shot",
+                   enable=show_progress, unit="img")
     t0 = time.perf_counter()
-    for b, (images, labels) in enumerate(source):
-        if max_batches is not None and b >= max_batches:
-            break
+    for images, labels in itertools.islice(source, max_batches):
         labels = labels.to(device)
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= C):
             bad = int(labels.max()) if int(labels.max()) >= C else int(labels.min())
@@ -180,12 +178,10 @@ def evaluate_zero_shot(model, classifier: torch.Tensor, source: Iterable, *, cla
         for k in ks:
             correct[k] += int(hit[:, :k].any(dim=1).sum())
         confusion += torch.bincount((labels * C + ranked[:, 0]).cpu(), minlength=C * C)
-        if bar is not None:
-            bar.update(len(labels))
-    if bar is not None:
-        bar.close()
-    return ZeroShotResult(names, confusion.view(C, C).numpy(), dict(correct),
-                          dict(getattr(source, "skipped", {}) or {}), time.perf_counter() - t0)
+        bar.update(len(labels))
+    bar.close()
+    return ZeroShotResult(names, confusion.view(C, C).numpy(), correct, dict(getattr(source, "skipped", {})),
+                          time.perf_counter() - t0)
 
 
 def zero_shot(model, tokenizer, source: Iterable, classnames: Sequence[str], templates: Sequence[Template] | str,

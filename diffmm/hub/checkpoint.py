@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-TRUST_HINT = "pass trust_pickle=True (CLI: --trust-pickle) only if you trust where this file came from"
+TRUST_HINT = "pass trust_pickle=True (CLI: --trust_pickle true) only if you trust where this file came from"
 
 
 class DamagedFileError(ValueError):

@@ -146,7 +146,7 @@ def resolve_location(name: Union[str, os.PathLike]) -> Path:
 #: tag -> what files of that tag are and how to load them (no hub downloads exist for these: local files only)
 PRETRAINED_TAGS = {
     "official": "the official DiffCLIP checkpoint (checkpoint_best.pt, SLIP format; trust_pickle=True / "
-                "--trust-pickle) or its state dict as .safetensors; loads into DiffCLIP-* configs with ImageNet "
+                "--trust_pickle true) or its state dict as .safetensors; loads into DiffCLIP-* configs with ImageNet "
                 "mean/std and the official tokenizer truncation",
     "open_clip": "an open_clip ViT CLIP checkpoint (open_clip_model.safetensors / open_clip_pytorch_model.bin, a "
                  "torch.save(model.state_dict()) file, or a folder with open_clip_config.json); loads exactly into "
@@ -464,7 +464,7 @@ def _lightning_clip(path: str, ckpt: dict, hp: dict, model_name: Optional[str],
     name = model_name or hp.get("model_name")
     if not name:
         raise ValueError(f"{path}: the checkpoint saves no model_name (a model passed as a Python object); "
-                         f"name the architecture (export: --model NAME or --model-config FILE)")
+                         f"name the architecture (export: --model NAME or --model_config FILE)")
     kwargs = {k: v for k, v in (hp.get("model_kwargs") or {}).items() if k not in ("pretrained", "device")}
     return create_model(name, swap=hp.get("swap"), **kwargs)
 
@@ -475,7 +475,7 @@ def _lightning_lm(path: str, hp: dict, sd: dict, model_name: Optional[str], mode
     name = model_name or hp.get("model_name")
     if not name:
         raise ValueError(f"{path}: the checkpoint saves no model_name; export: pass --model NAME or "
-                         f"--model-config FILE")
+                         f"--model_config FILE")
     overrides = dict(hp.get("model_kwargs") or {})
     if "wte.weight" in sd:  # the training module pads the tokenizer's vocabulary
         overrides.setdefault("vocab_size", sd["wte.weight"].shape[0])

@@ -116,13 +116,13 @@ def test_pipe_that_stalls_mid_shard_keeps_what_came_before(tmp_path, dh):
 def test_pipe_timeout_is_a_data_module_and_check_option():
     import inspect
 
-    from diffmm.shards_cli import build_parser
+    from diffmm.cli import parse
     from diffmm.train.datamodules import ImageTextDataModule, TextDataModule
 
     for cls in (ImageTextDataModule, TextDataModule):
         params = inspect.signature(cls).parameters
         assert {"max_member_bytes", "pipe_timeout"} <= set(params)
     assert "max_image_pixels" in inspect.signature(ImageTextDataModule).parameters
-    args = build_parser().parse_args(["check", "x.tar", "--max-member-bytes", "2MB", "--max-image-pixels", "none",
-                                      "--pipe-timeout", "5"])
-    assert (args.max_member_bytes, args.max_image_pixels, args.pipe_timeout) == (2 << 20, None, 5.0)
+    _, _, args = parse(["shards", "check", "x.tar", "--max_member_bytes", "2MB", "--max_image_pixels", "null",
+                        "--pipe_timeout", "5"])
+    assert (args["max_member_bytes"], args["max_image_pixels"], args["pipe_timeout"]) == ("2MB", None, 5.0)

@@ -1,4 +1,5 @@
-"""``diffmm shards from-captions|from-folders|from-text|check``: shards that the loaders read back."""
+"""``diffmm shards from-captions|from-folders|from-text|check|index``: shards that the loaders read back; one-line
+errors with exit status 2 (``check`` exits 1 on damaged shards)."""
 from __future__ import annotations
 
 import csv
@@ -10,7 +11,11 @@ from PIL import Image
 
 from diffmm.data.image_text import image_label_loader, image_text_loader
 from diffmm.data.shard_tools import image_field, parse_size
-from diffmm.shards_cli import main
+from diffmm.cli import main as diffmm_main
+
+
+def main(argv: list[str]) -> int:
+    return diffmm_main(["shards", *argv])
 
 
 def make_images(folder, n):
@@ -54,14 +59,14 @@ def test_from_captions_all_table_formats(tmp_path, fmt):
 def test_from_captions_errors_are_one_line(tmp_path, capsys):
     make_images(tmp_path / "imgs", 2)
     (tmp_path / "c.csv").write_text("file,label\nimg0.jpg,x\n")
-    assert main(["from-captions", str(tmp_path / "imgs"), str(tmp_path / "c.csv"), str(tmp_path / "o")]) == 1
+    assert main(["from-captions", str(tmp_path / "imgs"), str(tmp_path / "c.csv"), str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "no caption column" in err and "c.csv" in err and "\n" not in err
     (tmp_path / "d.csv").write_text("file,caption\nimg0.jpg,x\nmissing.jpg,y\n")
-    assert main(["from-captions", str(tmp_path / "imgs"), str(tmp_path / "d.csv"), str(tmp_path / "o")]) == 1
+    assert main(["from-captions", str(tmp_path / "imgs"), str(tmp_path / "d.csv"), str(tmp_path / "o")]) == 2
     assert "row 2: image" in capsys.readouterr().err
     assert main(["from-captions", str(tmp_path / "imgs"), str(tmp_path / "d.csv"), str(tmp_path / "o"),
-                 "--skip-missing"]) == 0
+                 "--skip_missing", "true"]) == 0
 
 
 def test_from_folders_labels_and_classes(tmp_path):
@@ -85,7 +90,7 @@ def test_from_text_with_trained_tokenizer(tmp_path, capsys):
     (docs / "sub").mkdir()
     (docs / "sub" / "more.rst").write_text("Nested page. " * 30)
     out = tmp_path / "out"
-    assert main(["from-text", str(out), str(docs), "--train-tokenizer", "300", "--maxcount", "2"]) == 0
+    assert main(["from-text", str(out), str(docs), "--train_tokenizer", "300", "--maxcount", "2"]) == 0
     printed = capsys.readouterr().out
     assert "wrote 5 documents in 3 shards" in printed
     assert (out / "tokenizer.json").exists() and (out / "tokens.json").exists()
@@ -133,7 +138,7 @@ def test_rerun_with_a_bad_row_keeps_the_old_shards(captioned, capsys, bad):
         name = "missing.png"
     rows = good[:11] + [name] + good[11:]
     capsys.readouterr()
-    assert main(["from-captions", str(tmp_path / "imgs"), _captions(tmp_path, rows), str(out), "--maxcount", "6"]) == 1
+    assert main(["from-captions", str(tmp_path / "imgs"), _captions(tmp_path, rows), str(out), "--maxcount", "6"]) == 2
     err = capsys.readouterr().err
     [line] = [ln for ln in err.splitlines() if "error:" in ln]      # one line (the rest is the progress bar)
     assert "row 12" in line and name in line and "old shards are kept" in line and "Traceback" not in err
@@ -147,7 +152,7 @@ def test_skip_bad_keeps_every_good_sample_and_says_so(captioned, capsys):
     (tmp_path / "imgs" / "bad.bmp").write_bytes(b"BM" + b"\x00" * 40)
     rows = good[:5] + ["missing.png"] + good[5:11] + ["bad.bmp"] + good[11:] + ["notes.jpg"]
     assert main(["from-captions", str(tmp_path / "imgs"), _captions(tmp_path, rows), str(out), "--maxcount", "6",
-                 "--skip-bad"]) == 0
+                 "--skip_bad", "true"]) == 0
     printed = capsys.readouterr().out
     assert "wrote 24 samples" in printed and "3 rows skipped (bad image=2, missing image=1)" in printed
     assert sum(json.load(open(out / "sizes.json")).values()) == 24
@@ -159,7 +164,7 @@ def test_prefix_cannot_leave_the_output_folder(tmp_path, capsys):
     out = tmp_path / "a" / "b" / "out"
     table = _captions(tmp_path, ["img0.jpg", "img1.png"])
     for prefix in ("../../x", "sub/x", "..", "x\\y"):
-        assert main(["from-captions", str(tmp_path / "a" / "b" / "imgs"), table, str(out), "--prefix", prefix]) == 1
+        assert main(["from-captions", str(tmp_path / "a" / "b" / "imgs"), table, str(out), "--prefix", prefix]) == 2
         err = capsys.readouterr().err.strip()
         assert "--prefix" in err and "\n" not in err
     assert not list(tmp_path.rglob("*.tar")) and not out.exists()
@@ -177,9 +182,9 @@ def test_from_folders_validates_images(tmp_path, capsys):
     make_images(tmp_path / "root" / "cat", 3)
     (tmp_path / "root" / "cat" / "broken.jpg").write_bytes(b"\xff\xd8 not really")
     out = tmp_path / "out"
-    assert main(["from-folders", str(tmp_path / "root"), str(out)]) == 1
+    assert main(["from-folders", str(tmp_path / "root"), str(out)]) == 2
     assert "broken.jpg" in capsys.readouterr().err and not out.exists() or not list(out.glob("*.tar"))
-    assert main(["from-folders", str(tmp_path / "root"), str(out), "--skip-bad"]) == 0
+    assert main(["from-folders", str(tmp_path / "root"), str(out), "--skip_bad", "true"]) == 0
     assert "1 rows skipped (bad image=1)" in capsys.readouterr().out
 
 
@@ -199,7 +204,7 @@ def test_check_expands_globs_and_braces_and_fails_on_damage(tmp_path, capsys):
     assert main(["check", str(tmp_path / "*.tar")]) == 0
     assert "samples in=10 out=10" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "s-{000000..000001}.tar"), str(tmp_path / "s-000002.tar")]) == 0
-    assert main(["check", str(tmp_path / "nothing-*.tar")]) == 1
+    assert main(["check", str(tmp_path / "nothing-*.tar")]) == 2
     assert "no file matches the pattern" in capsys.readouterr().err
     open(tmp_path / "s-000003.tar", "wb").close()                    # an empty shard
     assert main(["check", str(tmp_path / "*.tar")]) == 1

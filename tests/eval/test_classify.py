@@ -102,7 +102,7 @@ def test_cli_classify_csv_json_and_skips(tmp_path, tiny_weights, capsys, caplog)
     (tmp_path / "imgs" / "bad.jpg").write_bytes(b"")
     Image.new("RGB", (30, 30), (9, 9, 9)).save(tmp_path / "single.jpg")
     args = ["classify", "--model", "CLIP-Tiny", "--pretrained", tiny_weights, "--labels", "red,green,blue,black",
-            "--templates", "a {} square", "--templates", "a photo of a {}.", "--top-k", "2", "--workers", "0",
+            "--templates+", "a {} square", "--templates+", "a photo of a {}.", "--top_k", "2", "--workers", "0",
             str(tmp_path / "imgs"), str(tmp_path / "single.jpg")]
     with caplog.at_level(logging.WARNING, logger="diffmm.eval"):
         assert diffmm_main([*args, "--out", str(tmp_path / "p.csv")]) == 0
@@ -125,7 +125,7 @@ def test_cli_classify_csv_json_and_skips(tmp_path, tiny_weights, capsys, caplog)
     top = probs.topk(2)
     assert [rows[0]["label_1"], rows[0]["label_2"]] == [["red", "green", "blue", "black"][i] for i in top.indices]
     np.testing.assert_allclose([float(rows[0]["prob_1"]), float(rows[0]["prob_2"])], top.values.numpy(), atol=2e-6)
-    assert diffmm_main([*args, "--out", str(tmp_path / "p.json"), "--no-progress"]) == 0
+    assert diffmm_main([*args, "--out", str(tmp_path / "p.json"), "--progress", "false"]) == 0
     res = json.loads((tmp_path / "p.json").read_text())
     assert res["n"] == 4 and res["skipped"] == {"unreadable_image": 1} and res["top_k"] == 2
     assert res["templates"] == ["a {} square", "a photo of a {}."]
@@ -135,14 +135,16 @@ def test_cli_classify_csv_json_and_skips(tmp_path, tiny_weights, capsys, caplog)
 def test_cli_classify_errors_and_random_weight_warning(tmp_path, capsys, caplog):
     Image.new("RGB", (20, 20), (1, 2, 3)).save(tmp_path / "x.png")
     (tmp_path / "bad.png").write_bytes(b"")
-    base = ["classify", "--model", "CLIP-Tiny", "--workers", "0", "--no-progress"]
+    base = ["classify", "--model", "CLIP-Tiny", "--workers", "0", "--progress", "false"]
     cases = [([*base, "--labels", "a,b", str(tmp_path / "nope.png")], "no such image file, folder or pattern"),
              ([*base, "--labels", "a,b", "--out", "p.txt", str(tmp_path / "x.png")], "expected a .csv or .json"),
              ([*base, "--labels", "a,,b", str(tmp_path / "x.png")], "an empty name"),
              ([*base, "--labels", "a,b", "--templates", "no slot", str(tmp_path / "x.png")], "has no {}"),
              ([*base, "--labels", "a,b", str(tmp_path / "bad.png")], "none of the 1 images could be read"),
              (["classify", "--model", "ViT-B-32", "--labels", "a", str(tmp_path / "x.png")],
-              "did you mean open_clip:ViT-B-32")]
+              "did you mean open_clip:ViT-B-32"),
+             ([*base, str(tmp_path / "x.png")], "give one of --labels or --classnames"),
+             ([*base, "--labels", "a,b", "--top_k", "0", str(tmp_path / "x.png")], "--top_k 0: expected a positive")]
     for argv, msg in cases:
         assert diffmm_main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
@@ -153,21 +155,19 @@ def test_cli_classify_errors_and_random_weight_warning(tmp_path, capsys, caplog)
 
 
 def test_zeroshot_inline_templates_and_unlabelled_inputs(tmp_path, tiny_weights, capsys):
-    from diffmm.eval.cli import main
-
     _, rankings = known_dataset(C)
     flat = tmp_path / "flat"
     _flat_folder(str(flat), rankings[:4])
     for spec in (str(flat), str(flat / "*.png")):
-        assert main(["zeroshot", "--model", "CLIP-Tiny", "--pretrained", tiny_weights, "--data", spec, "--workers",
-                     "0"]) == 2
+        assert diffmm_main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--pretrained", tiny_weights, "--data", spec,
+                            "--workers", "0"]) == 2
         err = capsys.readouterr().err
         assert "has no labels" in err and "diffmm classify" in err
     labelled = tmp_path / "lab"
     for c in ("cat", "dog"):
         os.makedirs(labelled / c)
         Image.new("RGB", (16, 16), (5, 5, 5)).save(labelled / c / "0.png")
-    assert main(["zeroshot", "--model", "CLIP-Tiny", "--pretrained", tiny_weights, "--data", str(labelled),
-                 "--templates", "a silhouette of a {}", "--templates", "openai", "--workers", "0", "--no-progress",
-                 "--out", str(tmp_path / "z.json")]) == 0
+    assert diffmm_main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--pretrained", tiny_weights, "--data",
+                        str(labelled), "--templates+", "a silhouette of a {}", "--templates+", "openai", "--workers",
+                        "0", "--progress", "false", "--out", str(tmp_path / "z.json")]) == 0
     assert json.loads((tmp_path / "z.json").read_text())["n"] == 2

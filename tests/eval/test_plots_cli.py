@@ -10,7 +10,7 @@ import torch
 from eval_helpers import known_dataset, write_image_folder
 from PIL import Image
 
-from diffmm.eval.cli import main
+from diffmm.cli import main
 from diffmm.eval.plots import cls_attention, plot_attention_maps, plot_loss_curves, plot_needle_attention
 
 
@@ -52,9 +52,9 @@ def test_needle_and_loss_plots(tmp_path):
 def test_cli_zeroshot_end_to_end(tmp_path, capsys):
     labels, rankings = known_dataset(10)
     root = write_image_folder(str(tmp_path / "imgs"), labels[:20], rankings[:20], 10, prefix="item ")
-    rc = main(["zeroshot", "--model", "CLIP-Tiny", "--data", root, "--batch-size",
+    rc = main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--data", root, "--batch_size",
                "8", "--workers", "0", "--templates", "plain", "--out", str(tmp_path / "r.json"), "--md",
-               str(tmp_path / "r.md"), "--no-progress"])
+               str(tmp_path / "r.md"), "--progress", "false"])
     assert rc == 0
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["n"] == 20 and len(res["confusion_matrix"]) == 10 and res["classnames"][0] == "item 0"
@@ -72,25 +72,34 @@ def test_cli_bad_input_one_line_errors(tmp_path, capsys):
         (["--classnames", str(tmp_path / "nope.txt")], "class names file not found"),
     ]
     for extra, msg in cases:
-        rc = main(["zeroshot", "--model", "CLIP-Tiny", "--data", root, "--workers", "0", "--no-progress", *extra])
+        rc = main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--data", root, "--workers", "0", "--progress", "false",
+                   *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and msg in err[-1] and err[-1].startswith("diffmm eval zeroshot: error:")
-    rc = main(["zeroshot", "--model", "No-Such-Model", "--data", root])
+    rc = main(["eval", "zeroshot", "--model", "No-Such-Model", "--data", root])
     assert rc == 2 and "unknown model 'No-Such-Model'" in capsys.readouterr().err
+    # a bad flag value: one line naming the flag, and the help that lists the flags
+    rc = main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--data", root, "--batch_size", "many"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("diffmm eval zeroshot: error: --batch_size:"), err
+    assert main(["eval", "zeroshot", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--label_field" in out and "the IDX split: train or test" in out
+    assert "show a progress bar" in out  # the shared options are documented too
 
 
 def test_cli_plot_loss_and_lm_tasks(tmp_path, capsys):
     csv = tmp_path / "metrics.csv"
     csv.write_text("step,train/loss\n" + "\n".join(f"{s},{5 - s / 10}" for s in range(10)) + "\n")
-    assert main(["plot-loss", "--run", f"a={csv}", "--out", str(tmp_path / "l.png")]) == 0
+    assert main(["eval", "plot-loss", "--run+", f"a={csv}", "--out", str(tmp_path / "l.png")]) == 0
     _png_ok(str(tmp_path / "l.png"))
     # ICL on a random tiny DiffLM with the CLIP BPE: runs end to end and writes JSON
     data = tmp_path / "cls.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"{w} {w}", "label": lab}) for lab, ws in
                               (("good", ["sun", "joy", "cake", "gift"]), ("bad", ["rain", "mud", "pain", "loss"]))
                               for w in ws) + "\n")
-    rc = main(["icl", "--lm", "config:diff-tiny", "--train", str(data), "--test", str(data), "--shots", "2",
-               "--orders", "2", "--no-progress", "--out", str(tmp_path / "icl.json")])
+    rc = main(["eval", "icl", "--lm", "config:diff-tiny", "--train", str(data), "--test", str(data), "--shots", "2",
+               "--orders", "2", "--progress", "false", "--out", str(tmp_path / "icl.json")])
     assert rc == 0
     res = json.loads((tmp_path / "icl.json").read_text())
     assert len(res["accuracies"]) == 2 and 0 <= res["mean"] <= 1

@@ -129,15 +129,15 @@ def test_evaluate_recall_result_and_errors(tmp_path):
 
 
 def test_cli_recall_on_a_random_model(tmp_path, capsys):
-    from diffmm.eval.cli import main
+    from diffmm.cli import main
 
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["recall", "--lm", "config:transformer-tiny", "--vocab", "64", "--seq-len", "32", "64", "--pairs", "2",
-               "4", "--examples", "8", "--attention-examples", "4", "--device", "cpu", "--no-progress",
-               "--out", str(out), "--plot", str(png)])
+    rc = main(["eval", "recall", "--lm", "config:transformer-tiny", "--vocab", "64", "--seq_len", "[32, 64]",
+               "--pairs", "[2, 4]", "--examples", "8", "--attention_examples", "4", "--device", "cpu", "--progress",
+               "false", "--out", str(out), "--plot", str(png)])
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["task"] == "recall" and len(d["tasks"]) == 4 and png.exists()
     assert "L64-N4" in capsys.readouterr().out
-    rc = main(["recall", "--lm", str(tmp_path / "missing.ckpt"), "--device", "cpu"])
-    assert rc == 2 and "no such checkpoint" in capsys.readouterr().err
+    rc = main(["eval", "recall", "--lm", str(tmp_path / "missing.ckpt"), "--device", "cpu"])
+    assert rc == 2 and "missing.ckpt: no such file or folder" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import diffmm
 from diffmm.hub import factory
 from diffmm.hub.clip_formats import load_weights_and_config
 from diffmm.hub.diffmm_export import save_export
-from diffmm.hub.export_cli import main as export_main
+from diffmm.cli import main as diffmm_main
 from diffmm.hub.factory import create_model
 
 OC_CFG = dict(embed_dim=48, vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=2, head_width=16),
@@ -205,15 +205,15 @@ def test_export_cli_from_lightning_and_official(tmp_path, capsys):
                 "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
                 "hyper_parameters": {"model_name": "DiffCLIP-Tiny", "model_kwargs": TINY_OVERRIDES, "lr": 5e-4}},
                tmp_path / "last.ckpt")
-    assert export_main([str(tmp_path / "last.ckpt"), str(tmp_path / "out")]) == 0
+    assert diffmm_main(["export", str(tmp_path / "last.ckpt"), str(tmp_path / "out")]) == 0
     img, txt = inputs()
     back = diffmm.load_pretrained(tmp_path / "out")
     for a, b in zip(feats(back, img, txt), feats(model, img, txt)):
         assert torch.equal(a, b)
     torch.save({"state_dict": official_state_dict(), "args": argparse.Namespace(a=1)}, tmp_path / "best.pt")
-    assert export_main([str(tmp_path / "best.pt"), str(tmp_path / "out2")]) == 1
-    assert "--trust-pickle" in capsys.readouterr().err
-    assert export_main([str(tmp_path / "best.pt"), str(tmp_path / "out2"), "--trust-pickle"]) == 0
+    assert diffmm_main(["export", str(tmp_path / "best.pt"), str(tmp_path / "out2")]) == 2
+    assert "--trust_pickle true" in capsys.readouterr().err
+    assert diffmm_main(["export", str(tmp_path / "best.pt"), str(tmp_path / "out2"), "--trust_pickle", "true"]) == 0
     assert json.loads((tmp_path / "out2" / "config.json").read_text())["diffmm_export"]["kind"] == "clip"
 
 

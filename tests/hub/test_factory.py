@@ -55,9 +55,8 @@ def test_unknown_names_are_one_line_errors_listing_what_is_accepted(tmp_path):
         create_model("open_clip:No-Such")
     # the same rule in the eval CLI
     from diffmm.eval.loading import load_clip
-    from diffmm.eval.common import EvalError
 
-    with pytest.raises(EvalError, match="did you mean open_clip:ViT-B-32"):
+    with pytest.raises(UnknownModelError, match="did you mean open_clip:ViT-B-32"):
         load_clip("ViT-B-32")
 
 

@@ -11,7 +11,7 @@ import torch
 from open_clip.model import CLIP
 
 import diffmm
-from diffmm.hub.export_cli import main as export_main
+from diffmm.cli import main as diffmm_main
 from diffmm.hub.checkpoint import MODEL_CONFIG_KEY, is_lightning_checkpoint
 from diffmm.hub.factory import create_model
 
@@ -87,11 +87,11 @@ def test_eval_and_export_take_a_checkpoint(tmp_path, caplog, capsys):
         net, preprocess, tok = load_clip(path, device="cpu")
     assert not [r for r in caplog.records if "random weights" in r.message] and _same(net, m)
     assert tok(["x"]).shape == (1, 16)
-    assert export_main([path, str(tmp_path / "out")]) == 0
+    assert diffmm_main(["export", path, str(tmp_path / "out")]) == 0
     assert _same(diffmm.load_pretrained(tmp_path / "out"), m)
     # a config name exports with a warning about its random weights; --model on a non-Lightning file is an error
     with caplog.at_level(logging.WARNING, logger="diffmm.hub"):
-        assert export_main(["CLIP-Tiny", str(tmp_path / "rand")]) == 0
+        assert diffmm_main(["export", "CLIP-Tiny", str(tmp_path / "rand")]) == 0
     assert any("random weights" in r.message for r in caplog.records)
-    assert export_main([str(tmp_path / "out"), str(tmp_path / "o2"), "--model", "CLIP-Tiny"]) == 1
-    assert "--model / --model-config choose the architecture of a Lightning checkpoint" in capsys.readouterr().err
+    assert diffmm_main(["export", str(tmp_path / "out"), str(tmp_path / "o2"), "--model", "CLIP-Tiny"]) == 2
+    assert "--model / --model_config choose the architecture of a Lightning checkpoint" in capsys.readouterr().err

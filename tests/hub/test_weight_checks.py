@@ -13,7 +13,7 @@ import diffmm
 from diffmm.hub.checkpoint import DamagedFileError, check_state_dict, load_state_file, torch_file_damage
 from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.difflama import save_difflama
-from diffmm.hub.export_cli import main as export_main
+from diffmm.cli import main as diffmm_main
 from diffmm.models.lm import DiffLM, LMConfig
 
 TINY_CLIP = {"embed_dim": 16, "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 1,
@@ -102,7 +102,7 @@ def test_export_cli_refuses_integer_weights_in_lightning_checkpoint(tmp_path, ca
     sd["model.logit_scale"] = sd["model.logit_scale"].long()
     torch.save({"state_dict": sd, "hyper_parameters": {"model_name": "DiffCLIP-Tiny", "model_kwargs": TINY_CLIP}},
                tmp_path / "last.ckpt")
-    assert export_main([str(tmp_path / "last.ckpt"), str(tmp_path / "out")]) == 1
+    assert diffmm_main(["export", str(tmp_path / "last.ckpt"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert "wrong dtype: logit_scale is int64" in err and str(tmp_path / "last.ckpt") in err and "\n" not in err
     assert not (tmp_path / "out").exists()
@@ -131,7 +131,7 @@ def test_damaged_weight_files_name_the_file(tmp_path, capsys, how, suffix):
         msg = str(e.value)
         assert msg.startswith(f"{path}: ") and "\n" not in msg
         assert ("truncated" in msg or "empty" in msg or "corrupt" in msg), msg
-    assert export_main([str(path), str(tmp_path / "out")]) == 1
+    assert diffmm_main(["export", str(path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0]
 
@@ -148,12 +148,11 @@ def test_damaged_safetensors_in_folders_name_the_file(tmp_path):
 
 
 def test_eval_cli_names_the_damaged_file(tmp_path, capsys):
-    from diffmm.eval.cli import main as eval_main
-
     path = tmp_path / "w.safetensors"
     save_file(tiny_clip().state_dict(), str(path))
     damage(path, "truncated")
-    rc = eval_main(["zeroshot", "--model", "DiffCLIP-Tiny", "--pretrained", str(path), "--data", str(tmp_path)])
+    rc = diffmm_main(["eval", "zeroshot", "--model", "DiffCLIP-Tiny", "--pretrained", str(path), "--data",
+                      str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and f"{path}: not a readable safetensors file" in err[0], err
 

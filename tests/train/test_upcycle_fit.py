@@ -63,17 +63,17 @@ def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywh
     assert any(not torch.equal(before[k], after["state_dict"][k]) for k in before)  # it trained on
     assert f"{pre} is not there" in caplog.text and "is not read" in caplog.text
     (tmp_path / "colours.txt").write_text("red\ngreen\nblue\n")
-    rc = diffmm_main(["eval", "zeroshot", "--model", ckpt, "--data", image_text_data[1], "--label-field",
+    rc = diffmm_main(["eval", "zeroshot", "--model", ckpt, "--data", image_text_data[1], "--label_field",
                       "json:label", "--classnames", str(tmp_path / "colours.txt"),
                       "--templates", "a silhouette of a {}",
-                      "--workers", "0", "--no-progress", "--out", str(tmp_path / "zs.json")])
+                      "--workers", "0", "--progress", "false", "--out", str(tmp_path / "zs.json")])
     assert rc == 0
     res = json.loads((tmp_path / "zs.json").read_text())
     assert res["n"] == 16 and res["model"] == ckpt
     for i, c in enumerate(((200, 30, 30), (30, 200, 30))):
         Image.new("RGB", (16, 16), c).save(tmp_path / f"img{i}.png")
-    rc = diffmm_main(["classify", "--model", ckpt, "--labels", "red,green,blue", "--workers", "0", "--no-progress",
-                      "--out", str(tmp_path / "preds.csv"), *sorted(glob.glob(str(tmp_path / "img*.png")))])
+    rc = diffmm_main(["classify", "--model", ckpt, "--labels", "red,green,blue", "--workers", "0", "--progress",
+                      "false", "--out", str(tmp_path / "preds.csv"), *sorted(glob.glob(str(tmp_path / "img*.png")))])
     assert rc == 0 and len((tmp_path / "preds.csv").read_text().strip().splitlines()) == 1 + 2
 
 

@@ -1,0 +1,49 @@
+"""The ``diffmm`` command: every subcommand's flags and help come from its function; errors are one line."""
+from __future__ import annotations
+
+import inspect
+
+import docstring_parser
+import pytest
+
+from diffmm.cli import COMMANDS, main, parse
+
+
+def _functions(commands: dict, prefix: str = "diffmm"):
+    for name, target in commands.items():
+        if isinstance(target, dict):
+            yield from _functions(target, f"{prefix} {name}")
+        elif name != "_help":
+            yield f"{prefix} {name}", target
+
+
+@pytest.mark.parametrize("command,fn", list(_functions(COMMANDS)), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_flag_has_help_from_the_docstring(command, fn):
+    doc = docstring_parser.parse(fn.__doc__)
+    documented = {p.arg_name for p in doc.params if p.description}
+    assert doc.short_description, f"{command}: no one-line description"
+    missing = [n for n in inspect.signature(fn).parameters if n not in documented]
+    assert not missing, f"{command}: parameters without a docstring entry (their --help): {missing}"
+
+
+def test_parse_maps_a_command_line_to_its_function():
+    names, fn, kwargs = parse(["eval", "recall", "--lm", "config:transformer-tiny", "--seq_len", "[16, 32]",
+                               "--attention", "false"])
+    assert names == ["eval", "recall"] and fn is COMMANDS["eval"]["recall"]
+    assert kwargs["seq_len"] == [16, 32] and kwargs["attention"] is False and kwargs["pairs"] == (4, 8, 16, 32)
+    names, fn, kwargs = parse(["shards", "from-text", "out", "a.txt", "b/"])  # positionals in signature order
+    assert names == ["shards", "from-text"] and (kwargs["out"], kwargs["files"]) == ("out", ["a.txt", "b/"])
+    names, fn, kwargs = parse(["demo", "--quick", "true", "--parts", "[clip]"])
+    assert (kwargs["quick"], kwargs["parts"], kwargs["out"]) == (True, ["clip"], "report")
+
+
+def test_usage_and_errors(tmp_path, capsys):
+    assert main([]) == 0 and "shards" in capsys.readouterr().out
+    assert main(["eval", "--help"]) == 0 and "zeroshot" in capsys.readouterr().out
+    for argv, want in ((["nope"], "diffmm: error: argument subcommand: invalid choice: 'nope'"),
+                       (["eval", "needle", "--lm", "x", "--trials", "ten"], "diffmm eval needle: error: --trials:"),
+                       (["demo", "--parts", "[vision]"], "diffmm demo: error: --parts:"),
+                       (["demo", "--render_only", "true", "--out", str(tmp_path)], "run the demo first")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], (argv, err)
