@@ -65,14 +65,9 @@ def environment() -> dict:
             "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
-def _mem_status() -> dict:
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(("VmHWM", "VmRSS")):
-                key, val = line.split(":")
-                out[key] = int(val.split()[0]) / 1024.0  # MiB
-    return out
+def status_mib(key: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (peak resident) of this process, MiB."""
+    return int(re.search(rf"^{key}:\s*(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
 
 
 def peak_rise_mb(fn) -> float:
@@ -82,9 +77,9 @@ def peak_rise_mb(fn) -> float:
             fh.write("5")  # reset VmHWM to the current RSS
     except OSError:
         pass
-    before = _mem_status()["VmRSS"]
+    before = status_mib("VmRSS")
     fn()
-    return _mem_status()["VmHWM"] - before
+    return status_mib("VmHWM") - before
 
 
 def run_child(args, layer: str, N: int, *extra: str) -> dict:
