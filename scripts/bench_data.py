@@ -9,7 +9,8 @@ Prints one table:
   (``diffmm.models.lm``).
 
 Uses the demo shards under ``--data`` (``diffmm shards demo-all``) when present, otherwise writes
-synthetic shards to a temporary folder.
+synthetic shards to a temporary folder. The header names the CPU model, torch version, threads and the
+1-minute load average at start and end.
 
 Usage: PYTHONPATH=. python scripts/bench_data.py [--data data] [--samples 640] [--batch 64]
 """
@@ -19,8 +20,12 @@ import argparse
 import glob
 import io
 import os
+import platform
+import re
 import tempfile
 import time
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,6 +38,14 @@ from diffmm.data.text import text_loader
 from diffmm.data.tokenizers import TokenizerFile, train_byte_level_bpe
 from diffmm.data.writer import ShardWriter
 from diffmm.models.lm import DiffLM, LMConfig
+
+
+def environment() -> dict:
+    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 def synthetic_image_shards(directory: str, n: int = 1024) -> str:
@@ -62,32 +75,40 @@ def image_pattern(data: str, tmp: str) -> tuple[str, str]:
     return synthetic_image_shards(tmp), "synthetic 109 px PNG shards"
 
 
+def loader_rate(loader, workers: int, count: Callable[[Any], int]) -> float:
+    """Items per second of ``loader`` (``count(batch)`` items per batch), after the first batch of each worker."""
+    it = iter(loader)
+    for _ in range(workers):  # warm-up: worker start + first batch of each worker
+        next(it)
+    t, n = time.perf_counter(), 0
+    for batch in it:
+        n += count(batch)
+    return n / (time.perf_counter() - t)
+
+
 def bench_image_loader(pattern: str, image_size: int, workers: int, batch: int, samples: int) -> float:
     loader = image_text_loader(pattern, batch, num_workers=workers, image_size=image_size, train=True,
                                resampled=True, samples_per_epoch=samples + batch * (workers + 1), rank=0, world_size=1)
-    it = iter(loader)
-    for _ in range(workers):   # warm-up: worker start + first batch of each worker
-        next(it)
-    t, n = time.perf_counter(), 0
-    for images, tokens in it:
-        n += images.shape[0]
-    return n / (time.perf_counter() - t)
+    return loader_rate(loader, workers, lambda b: b[0].shape[0])
 
 
 def bench_text_loader(pattern: str, tokenizer, workers: int, batch: int, seq_len: int, rows: int) -> float:
     loader = text_loader(pattern, batch, seq_len, num_workers=workers, tokenizer=tokenizer, resampled=True,
                          samples_per_epoch=rows + batch * (workers + 1), rank=0, world_size=1)
-    it = iter(loader)
-    for _ in range(workers):
-        next(it)
-    t, n = time.perf_counter(), 0
-    for b in it:
-        n += b.numel()
-    return n / (time.perf_counter() - t)
+    return loader_rate(loader, workers, torch.Tensor.numel)
 
 
-def _time_steps(step, steps: int = 5) -> float:
-    step()                      # warm-up
+def step_seconds(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], steps: int = 5) -> float:
+    """Seconds per training step (forward + backward + AdamW) of ``model`` with ``loss_fn``, after one warm-up."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    step()
     t = time.perf_counter()
     for _ in range(steps):
         step()
@@ -95,41 +116,28 @@ def _time_steps(step, steps: int = 5) -> float:
 
 
 def bench_clip_step(name: str, batch: int) -> tuple[str, float]:
-    """(label, seconds per step) of forward + backward + AdamW of a tiny CLIP on random images and captions."""
+    """(label, seconds per step) of a tiny CLIP on random images and captions (symmetric InfoNCE)."""
     model = diffmm.create_model(name)
     v, t = model.config.vision_cfg, model.config.text_cfg
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     images = torch.randn(batch, 3, v.image_size, v.image_size)
     text = torch.randint(1, t.vocab_size - 1, (batch, t.context_length))
     labels = torch.arange(batch)
 
-    def step():
-        img, txt = model.encode_image(images, normalize=True), model.encode_text(text, normalize=True)
-        logits = 100 * img @ txt.t()
-        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    def loss():
+        logits = 100 * model.encode_image(images, normalize=True) @ model.encode_text(text, normalize=True).t()
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
-    return f"train step {name} ({v.image_size} px)", _time_steps(step)
+    return f"train step {name} ({v.image_size} px)", step_seconds(model, loss)
 
 
 def bench_lm_step(attention: str, batch: int, seq_len: int) -> tuple[str, float, int]:
-    """(label, seconds per step, sequence length) of forward + backward + AdamW of a ``cpu-small`` LM."""
+    """(label, seconds per step, sequence length) of a ``cpu-small`` LM on random tokens."""
     preset = {"diff": "diff-cpu-small", "standard": "transformer-cpu-small"}[attention]
     cfg = LMConfig.from_name(preset)
     model, seq_len = DiffLM(cfg), min(seq_len, cfg.block_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len))
     y = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-
-    def step():
-        loss = model(x, y)[1]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return f"train step LM {preset} (seq {seq_len})", _time_steps(step), seq_len
+    return f"train step LM {preset} (seq {seq_len})", step_seconds(model, lambda: model(x, y)[1]), seq_len
 
 
 def main() -> None:
@@ -142,6 +150,7 @@ def main() -> None:
     p.add_argument("--text-rows", type=int, default=320, help="rows timed per text loader row")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    env = environment()
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         pattern, source = image_pattern(args.data, tmp)
@@ -166,7 +175,8 @@ def main() -> None:
         rows.append((label, f"{args.text_batch * seq / sec:,.0f} tokens/s",
                      f"batch {args.text_batch}, {sec * 1000:.0f} ms/step"))
     w = max(len(r[0]) for r in rows)
-    print(f"torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}")
+    print(f"CPU {env['cpu']} ({os.cpu_count()} cpus), torch {env['torch']}, torch threads: {env['threads']}; 1-min "
+          f"load {env['load_1m_start']:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print(f"| {'what':<{w}} | {'throughput':>18} | notes")
     print(f"|{'-' * (w + 2)}|{'-' * 20}|------")
     for what, rate, note in rows:

@@ -12,7 +12,8 @@ weights are loaded three ways:
 
 One training step = forward, mean next-token cross entropy, backward, AdamW step (same optimizer settings for
 every model). Models are timed in interleaved rounds and the median per model is reported, so machine noise
-hits all of them alike; the 1-minute load average is printed beside the table.
+hits all of them alike; the 1-minute load average is printed beside the table. The JSON records the CPU model,
+torch version, threads and the 1-minute load average at start and end.
 
     PYTHONPATH=. python scripts/bench_lm.py                          # 58M LM, batch 4 x 512, 2 threads
     PYTHONPATH=. python scripts/bench_lm.py --rounds 7 --json results/bench_lm.json
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import diffmm
 from diffmm.hub.difflama import save_difflama
@@ -41,6 +44,14 @@ HF_DIFF = "HF DiffLlama"
 HF_LLAMA = "HF Llama"
 TWIN = "diffmm Transformer"
 COMPILED = "diffmm DIFF LM (compile)"
+
+
+def environment() -> dict:
+    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
@@ -96,23 +107,29 @@ class Runner:
         return float(loss.detach())
 
 
-def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one training batch every model sees: inputs and next-token targets, (batch, seq) each."""
+def warmed_up(args) -> tuple[list[Runner], dict, tuple]:
+    """The runners (``--only``) after ``--warmup`` steps each (and compiles), the seconds those took, and the
+    one training batch every model sees: inputs and next-token targets, (batch, seq) each."""
+    with tempfile.TemporaryDirectory(prefix="bench_lm_") as tmp:
+        models = build_models(args, Path(tmp))
+    keep = [s.strip() for s in args.only.split(",") if s.strip()]
+    runners = [Runner(n, m, n == COMPILED) for n, m in models.items() if not keep or n in keep]
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    data = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    warm = {}
+    for r in runners:
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            r.step(*data)
+        warm[r.name] = time.perf_counter() - t0
+        print(f"  warm-up {r.name}: {warm[r.name]:.1f} s "
+              f"({sum(p.numel() for p in r.model.parameters()) / 1e6:.1f}M params)", flush=True)
+    return runners, warm, data
 
 
 def run(args) -> dict:
-    runners = _runners(args)
-    x, y = batch(args)
-    params = {r.name: sum(p.numel() for p in r.model.parameters()) for r in runners}
-    warm = {}
-    for r in runners:  # warm-up (and compile)
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            r.step(x, y)
-        warm[r.name] = time.perf_counter() - t0
-        print(f"  warm-up {r.name}: {warm[r.name]:.1f} s ({params[r.name] / 1e6:.1f}M params)", flush=True)
+    env = environment()
+    runners, warm, data = warmed_up(args)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     loads = []
@@ -121,7 +138,7 @@ def run(args) -> dict:
         for r in order:
             t0 = clock()
             for _ in range(args.iters):
-                r.step(x, y)
+                r.step(*data)
             times[r.name].append((clock() - t0) / args.iters)
         loads.append(os.getloadavg()[0])
         print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
@@ -129,48 +146,35 @@ def run(args) -> dict:
     tokens = args.batch * args.seq
     med = {n: statistics.median(t) for n, t in times.items()}
     rows = []
-    for n, t in times.items():
-        rows.append(dict(model=n, params_m=params[n] / 1e6, sec_per_step=med[n], tokens_per_s=tokens / med[n],
-                         warmup_s=warm[n], speed_vs_difflama=med[HF_DIFF] / med[n] if HF_DIFF in med else None,
-                         speed_vs_llama=med[HF_LLAMA] / med[n] if HF_LLAMA in med else None, all_s=t))
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
-            platform.machine(), "batch": args.batch, "seq": args.seq, "layers": args.layers, "width": args.width,
-            "diff_heads": args.heads, "vocab": args.vocab, "hf_attn": args.hf_attn,
-            "clock": "thread_cpu" if args.cpu_time else "wall",
-            "loadavg_1m": [min(loads), max(loads)], "rows": rows}
-
-
-def _runners(args) -> list[Runner]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="bench_lm_") as tmp:
-        models = build_models(args, Path(tmp))
-    keep = [s.strip() for s in args.only.split(",") if s.strip()]
-    return [Runner(n, m, n == COMPILED) for n, m in models.items() if not keep or n in keep]
-
-
-def profile(args) -> int:
-    """torch.profiler table (top ``args.profile`` ops by self CPU time) of one training step per model."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    runners = _runners(args)
-    x, y = batch(args)
     for r in runners:
-        for _ in range(max(1, args.warmup)):
-            r.step(x, y)
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            r.step(x, y)
+        n = r.name
+        rows.append(dict(model=n, params_m=sum(p.numel() for p in r.model.parameters()) / 1e6, sec_per_step=med[n],
+                         tokens_per_s=tokens / med[n], warmup_s=warm[n],
+                         speed_vs_difflama=med[HF_DIFF] / med[n] if HF_DIFF in med else None,
+                         speed_vs_llama=med[HF_LLAMA] / med[n] if HF_LLAMA in med else None, all_s=times[n]))
+    return {**env, "load_1m_end": os.getloadavg()[0], "batch": args.batch, "seq": args.seq, "layers": args.layers,
+            "width": args.width, "diff_heads": args.heads, "vocab": args.vocab, "hf_attn": args.hf_attn,
+            "clock": "thread_cpu" if args.cpu_time else "wall", "loadavg_1m": [min(loads), max(loads)], "rows": rows}
+
+
+def profile_steps(args) -> int:
+    """torch.profiler table (top ``args.profile`` ops by self CPU time) of one training step per model."""
+    args.warmup = max(1, args.warmup)
+    runners, _, data = warmed_up(args)
+    for r in runners:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r.step(*data)
         print(f"\n### {r.name}: one training step (load {os.getloadavg()[0]:.1f})\n")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile, max_name_column_width=40))
     return 0
 
 
 def table(res: dict) -> str:
-    lines = [f"CPU, fp32, {res['threads']} threads, torch {res['torch']}, LM {res['layers']} layers x width "
-             f"{res['width']}, {res['diff_heads']} differential heads (standard: {2 * res['diff_heads']}), vocab "
-             f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; HF attention "
-             f"{res['hf_attn']}; {res['clock']} clock, median of interleaved rounds; 1-min load {res['loadavg_1m'][0]:.1f}-{res['loadavg_1m'][1]:.1f}", "",
+    lines = [f"CPU ({res['cpu']}), fp32, {res['threads']} threads, torch {res['torch']}, LM {res['layers']} layers x "
+             f"width {res['width']}, {res['diff_heads']} differential heads (standard: {2 * res['diff_heads']}), vocab "
+             f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; HF attention {res['hf_attn']}; "
+             f"{res['clock']} clock, median of interleaved rounds; 1-min load {res['loadavg_1m'][0]:.1f}-"
+             f"{res['loadavg_1m'][1]:.1f}", "",
              "| model | params (M) | s/step | tokens/s | speed vs HF DiffLlama | speed vs HF Llama | warm-up s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -202,8 +206,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated model names to keep (e.g. 'diffmm DIFF LM')")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.profile:
-        return profile(args)
+        return profile_steps(args)
     res = run(args)
     print()
     print(table(res))

@@ -5,7 +5,8 @@ AdamW step (the same optimizer settings for every model), on random images and c
 interleaved rounds (the order alternates every round) and the median per model is reported, so machine noise
 hits all of them alike; the 1-minute load average is printed beside the table. "paired" is the median over
 rounds of open_clip's time / the model's time in the same round: a round's models share one load state, so
-this ratio is steadier than the ratio of medians when the machine is not perfectly quiet.
+this ratio is steadier than the ratio of medians when the machine is not perfectly quiet. The JSON records the
+CPU model, torch version, threads and the 1-minute load average at start and end.
 
     PYTHONPATH=. python scripts/bench_models.py                      # tiny (batch 64) and ViT-B-16 (batch 2), 2 threads
     PYTHONPATH=. python scripts/bench_models.py --sizes tiny --rounds 7 --json results/bench_models.json
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ import open_clip
 import torch
 import torch.nn.functional as F
 from open_clip.model import CLIP
+from torch.profiler import ProfilerActivity, profile
 
 import diffmm
 
@@ -38,6 +41,14 @@ SIZES = {
     "vit-b-16": (("DiffCLIP-ViT-B-16", "CLIP-ViT-B-16"), "ViT-B-16", 2),
 }
 OPEN_CLIP = "open_clip CLIP"
+
+
+def environment() -> dict:
+    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 class Runner:
@@ -60,52 +71,47 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
 
 
-def make_runners(size: str, compile_model: bool) -> list[Runner]:
-    (diff_name, twin_name), oc_cfg, _ = SIZES[size]
+def warmed_up(size: str, args) -> tuple[list[Runner], dict, tuple]:
+    """The size's runners after ``--warmup`` steps each, the seconds those took, and the batch (images, texts)."""
+    (diff_name, twin_name), oc_cfg, batch = SIZES[size]
     torch.manual_seed(0)
     runners = [Runner(diff_name, diffmm.create_model(diff_name)),
                Runner(f"{twin_name} (diffmm)", diffmm.create_model(twin_name)),
                Runner(OPEN_CLIP, open_clip.create_model(oc_cfg) if isinstance(oc_cfg, str) else CLIP(**oc_cfg))]
-    if compile_model:
+    if args.compile:
         runners += [Runner(f"{diff_name} (compile)", diffmm.create_model(diff_name), compile_model=True),
                     Runner(f"{twin_name} (diffmm, compile)", diffmm.create_model(twin_name), compile_model=True)]
-    return runners
-
-
-def inputs(runner: Runner, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = runner.model.config
+    cfg, batch = runners[0].model.config, args.batch or batch
     g = torch.Generator().manual_seed(0)
     img = torch.randn(batch, 3, cfg.vision_cfg.image_size, cfg.vision_cfg.image_size, generator=g)
     txt = torch.randint(1, 49000, (batch, cfg.text_cfg.context_length), generator=g)
     txt[:, -1] = 49407  # EOT
-    return img, txt
-
-
-def bench_size(size: str, args) -> list[dict]:
-    batch = args.batch or SIZES[size][2]
-    iters = args.iters or (5 if size == "tiny" else 1)
-    rounds = args.rounds if size == "tiny" else max(2, args.rounds // 2)
-    clock = time.thread_time if args.cpu_time else time.perf_counter
-    runners = make_runners(size, args.compile)
-    img, txt = inputs(runners[0], batch)
     warm = {}
     for r in runners:
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             r.step(img, txt)
         warm[r.name] = time.perf_counter() - t0
+    return runners, warm, (img, txt)
+
+
+def bench_size(size: str, args) -> list[dict]:
+    iters = args.iters or (5 if size == "tiny" else 1)
+    rounds = args.rounds if size == "tiny" else max(2, args.rounds // 2)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    runners, warm, data = warmed_up(size, args)
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     loads = []
     for rnd in range(rounds):
         for r in (runners if rnd % 2 == 0 else runners[::-1]):
             t0 = clock()
             for _ in range(iters):
-                r.step(img, txt)
+                r.step(*data)
             times[r.name].append((clock() - t0) / iters)
         loads.append(os.getloadavg()[0])
         print(f"  {size} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
               f" (load {loads[-1]:.1f})", flush=True)
-    ref = statistics.median(times[OPEN_CLIP])
+    ref, batch = statistics.median(times[OPEN_CLIP]), len(data[0])
     rows = []
     for r in runners:
         med = statistics.median(times[r.name])
@@ -117,19 +123,13 @@ def bench_size(size: str, args) -> list[dict]:
     return rows
 
 
-def profile(args) -> int:
+def profile_steps(args) -> int:
     """torch.profiler table (top ``args.profile`` ops by self CPU time) of one training step per model."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     for size in args.sizes.split(","):
-        runners = make_runners(size, args.compile)
-        img, txt = inputs(runners[0], args.batch or SIZES[size][2])
+        runners, _, data = warmed_up(size, args)
         for r in runners:
-            for _ in range(max(1, args.warmup)):
-                r.step(img, txt)
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                r.step(img, txt)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                r.step(*data)
             print(f"\n### {size} {r.name}: one training step, {torch.get_num_threads()} threads "
                   f"(load {os.getloadavg()[0]:.1f})\n")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
@@ -155,14 +155,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
-        return profile(args)
-    rows = []
-    for size in args.sizes.split(","):
-        rows += bench_size(size, args)
+        args.warmup = max(1, args.warmup)
+        return profile_steps(args)
+    env = environment()
+    rows = [row for size in args.sizes.split(",") for row in bench_size(size, args)]
+    env["load_1m_end"] = os.getloadavg()[0]
     loads = [x for r in rows for x in r["loadavg_1m"]]
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU ({platform.processor() or platform.machine()})"
-          f", fp32, forward+backward+AdamW, {'thread CPU time' if args.cpu_time else 'wall time'}, median of "
-          f"interleaved rounds; 1-min load {min(loads):.1f}-{max(loads):.1f}\n")
+    print(f"\ntorch {env['torch']}, {env['threads']} threads, CPU ({env['cpu']}), fp32, forward+backward+AdamW, "
+          f"{'thread CPU time' if args.cpu_time else 'wall time'}, median of interleaved rounds; 1-min load "
+          f"{min(loads):.1f}-{max(loads):.1f}\n")
     print("| size | model | batch | params (M) | s/step | samples/s | speed vs open_clip | paired | warm-up s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -171,9 +172,8 @@ def main(argv=None) -> int:
               f"| {r['speed_vs_open_clip_paired']:.2f}x | {r['warmup_s']:.1f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                               "clock": "thread_cpu" if args.cpu_time else "wall", "rows": rows},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({**env, "clock": "thread_cpu" if args.cpu_time else "wall",
+                                               "rows": rows}, indent=1))
     return 0
 
 

@@ -12,29 +12,57 @@ per-step overhead (hooks, logging, progress bar, LR schedule, clipping) is insid
   (TensorBoard + CSV loggers every 10 steps, LR monitor, ModelCheckpoint, progress bar, lambda logging).
 * ``plain``: the same model, loss, AdamW groups, warmup+cosine, clipping, logit-scale clamp in a
   hand-written loop (loss ``.item()`` every 10 steps).
-* ``open_clip``: ``open_clip_train.train.train_one_epoch`` (when installed; otherwise the same
-  step replicated with ``open_clip.loss.ClipLoss``) on open_clip's own CLIP of the same size.
+* ``open_clip``: ``open_clip_train.train.train_one_epoch`` (when installed; otherwise the plain loop with
+  ``open_clip.loss.ClipLoss``) on open_clip's own CLIP of the same size.
 
-Runs alternate between contenders ``--repeats`` times; the table shows medians and ratios.
+Runs alternate between contenders ``--repeats`` times; the table shows medians and ratios. The JSON records
+the CPU model, torch version, threads and the 1-minute load average at start and end.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
+import platform
+import re
 import statistics
 import sys
 import tempfile
 import time
 import warnings
 from argparse import Namespace
-from typing import Any, Callable
+from pathlib import Path
+from typing import Callable
 
+import open_clip
+import pytorch_lightning as pl
 import torch
+import torch.nn.functional as F
+from open_clip.loss import ClipLoss
+from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+from pytorch_lightning.callbacks import LearningRateMonitor
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
+import diffmm
+from diffmm.models.clip.config import get_model_config
+from diffmm.models.lm import DiffLM, LMConfig
+from diffmm.train.callbacks import Checkpoint
+from diffmm.train.checkpoint_io import AtomicCheckpointIO
+from diffmm.train.clip_module import CLIPModule
+from diffmm.train.datamodules import ImageTextDataModule
+from diffmm.train.lm_module import LMModule
 from diffmm.train.losses import ContrastiveLoss, next_token_loss
 from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler
+
+
+def environment() -> dict:
+    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 class TimedBatches:
@@ -68,11 +96,9 @@ class TimedBatches:
         return [b - a for a, b in zip(t[warmup:], t[warmup + 1:])]
 
 
-# ----- data ------------------------------------------------------------------------------------------
+# ----- data and losses -------------------------------------------------------------------------------
 def clip_batches(n: int, batch: int, image_size: int, context_length: int, shards: str | None) -> list:
     if shards:
-        from diffmm.train.datamodules import ImageTextDataModule
-
         dm = ImageTextDataModule(shards, batch_size=batch, num_workers=0, image_size=image_size,
                                  context_length=context_length, shuffle_buffer=100)
         out = []
@@ -90,15 +116,23 @@ def lm_batches(n: int, batch: int, seq: int, vocab: int) -> list:
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
 
 
+def clip_loss(model, batch):
+    images, tokens = batch
+    img, txt, scale = model(images, tokens)
+    return ContrastiveLoss()(F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=100))
+
+
+def open_clip_loss(model, batch):
+    out = model(*batch)
+    return ClipLoss()(out["image_features"], out["text_features"], out["logit_scale"])
+
+
+def lm_loss(model, batch):
+    return next_token_loss(model(batch[:, :-1]), batch[:, 1:])
+
+
 # ----- contenders ------------------------------------------------------------------------------------
 def run_lightning(module_fn: Callable, data: TimedBatches, steps: int) -> None:
-    import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import LearningRateMonitor
-    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-
-    from diffmm.train.callbacks import Checkpoint
-    from diffmm.train.checkpoint_io import AtomicCheckpointIO
-
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="32-true", gradient_clip_val=1.0,
                              log_every_n_steps=10, default_root_dir=root, enable_model_summary=False,
@@ -129,50 +163,25 @@ def run_plain(model: torch.nn.Module, data: TimedBatches, steps: int, loss_fn: C
 
 
 def run_open_clip(model: torch.nn.Module, data: TimedBatches, steps: int, lr: float, wd: float) -> str:
-    from open_clip.loss import ClipLoss
-
-    params = [{"params": [p for n, p in model.named_parameters() if p.ndim < 2 or "bias" in n or "logit_scale" in n],
-               "weight_decay": 0.0},
-              {"params": [p for n, p in model.named_parameters() if not (p.ndim < 2 or "bias" in n or "logit_scale" in n)],
-               "weight_decay": wd}]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    """open_clip_train's ``train_one_epoch`` when installed, else the plain loop with ``ClipLoss``; which one ran."""
     try:
         from open_clip_train.scheduler import cosine_lr
         from open_clip_train.train import train_one_epoch
-    except ImportError:
-        train_one_epoch = None
-    if train_one_epoch is not None:
-        args = Namespace(device="cpu", precision="fp32", distill=False, accum_freq=1, skip_scheduler=False,
-                         horovod=False, grad_clip_norm=1.0, log_every_n_steps=10, batch_size=len(data.batches[0][0]),
-                         world_size=1, rank=0, local_rank=0, wandb=False)
-        loader = Namespace(dataloader=data, set_epoch=lambda epoch: None)
-        import logging
-
-        logging.getLogger().setLevel(logging.WARNING)  # its per-step log lines would flood the table
-        train_one_epoch(model, {"train": loader}, ClipLoss(), 0, opt, None, cosine_lr(opt, lr, 3, steps), None, args)
-        return "open_clip_train.train_one_epoch"
-    loss_fn = ClipLoss()  # replicate train_one_epoch's fp32 step
-    for i, (images, texts) in enumerate(data):
-        out = model(images, texts)
-        loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=2.0)
-        opt.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
-        if i % 10 == 0:
-            loss.item()
-    return "replicated train_one_epoch step (open_clip_train not installed)"
+    except ImportError:  # an optional package
+        run_plain(model, data, steps, open_clip_loss, lr, wd, clamp=True)
+        return "the plain loop with open_clip.loss.ClipLoss (open_clip_train not installed)"
+    opt = build_adamw(param_groups(model, wd), lr, (0.9, 0.98), 1e-8)  # open_clip_train's groups: same rule
+    args = Namespace(device="cpu", precision="fp32", distill=False, accum_freq=1, skip_scheduler=False,
+                     horovod=False, grad_clip_norm=1.0, log_every_n_steps=10, batch_size=len(data.batches[0][0]),
+                     world_size=1, rank=0, local_rank=0, wandb=False)
+    loader = Namespace(dataloader=data, set_epoch=lambda epoch: None)
+    logging.getLogger().setLevel(logging.WARNING)  # its per-step log lines would flood the table
+    train_one_epoch(model, {"train": loader}, ClipLoss(), 0, opt, None, cosine_lr(opt, lr, 3, steps), None, args)
+    return "open_clip_train.train_one_epoch"
 
 
 def open_clip_twin(name: str) -> torch.nn.Module:
     """open_clip's CLIP with the sizes of diffmm config ``name`` (GELU in both towers)."""
-    import open_clip
-    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
-
-    from diffmm.models.clip.config import get_model_config
-
     cfg = get_model_config(name)
     v, t = cfg.vision_cfg, cfg.text_cfg
     return open_clip.model.CLIP(cfg.embed_dim,
@@ -182,16 +191,89 @@ def open_clip_twin(name: str) -> torch.nn.Module:
                                             heads=t.heads, layers=t.layers, mlp_ratio=t.mlp_ratio), output_dict=True)
 
 
-# ----- main ------------------------------------------------------------------------------------------
-def clip_loss(model, batch):
-    images, tokens = batch
-    img, txt, scale = model(images, tokens)
-    return ContrastiveLoss()(torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1),
-                             scale.clamp(max=100))
+def contenders(make_module: Callable, make_model: Callable, loss_fn: Callable, lr: float, wd: float,
+               clamp: bool) -> dict:
+    """Lightning (``make_module()``) and the plain loop (``make_model()``), each from the same seed."""
+    def module():
+        torch.manual_seed(0)
+        return make_module()
+
+    def plain(data, steps):
+        torch.manual_seed(0)
+        run_plain(make_model(), data, steps, loss_fn, lr, wd, clamp)
+
+    return {"lightning": lambda data, steps: run_lightning(module, data, steps), "plain": plain}
 
 
-def lm_loss(model, batch):
-    return next_token_loss(model(batch[:, :-1]), batch[:, 1:])
+def clip_contenders(name: str, lr: float, wd: float) -> dict:
+    """Lightning and the plain loop on diffmm's ``name``; open_clip's step too when ``name`` is a standard CLIP."""
+    def oc(data, steps):
+        torch.manual_seed(0)
+        return run_open_clip(open_clip_twin(name), data, steps, lr, wd)
+
+    out = contenders(lambda: CLIPModule(name, lr=lr, weight_decay=wd, warmup_steps=3, min_lr=lr / 50),
+                     lambda: diffmm.create_model(name), clip_loss, lr, wd, clamp=True)
+    if get_model_config(name).vision_cfg.attn_type == "standard":
+        out["open_clip"] = oc
+    return out
+
+
+def lm_contenders(cfg: LMConfig, lr: float, wd: float) -> dict:
+    """Lightning and the plain loop on a DIFF LM of ``cfg``."""
+    return contenders(lambda: LMModule(model=DiffLM(cfg), context_length=cfg.block_size, lr=lr, weight_decay=wd,
+                                       warmup_steps=3, min_lr=lr / 50),
+                      lambda: DiffLM(cfg), lm_loss, lr, wd, clamp=False)
+
+
+# ----- measure and report ----------------------------------------------------------------------------
+def measure(label: str, unit: str, contenders: dict, batches: list, args, items: int, steps: int | None = None) -> dict:
+    """Per-step wall and process-CPU times of every contender, pooled over alternating runs.
+
+    On a shared machine the wall clock includes waiting for other processes; the CPU time of this
+    process (one compute thread) counts only the work done, so it is the fairer overhead measure.
+    A contender may return a note (which open_clip step ran); the last one is kept.
+    """
+    steps = steps or args.steps
+    times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in contenders}
+    notes = {}
+    for r in range(args.repeats):
+        for name, fn in contenders.items():
+            data = TimedBatches(batches, steps)
+            notes[name] = fn(data, steps)
+            for clock in ("wall", "cpu"):
+                times[name][clock] += data.step_times(args.warmup, clock)
+            print(f"# {label} run {r + 1}/{args.repeats} {name}: median step wall "
+                  f"{statistics.median(times[name]['wall']):.4f} s, cpu {statistics.median(times[name]['cpu']):.4f} s",
+                  file=sys.stderr)
+    med = {k: {c: statistics.median(v[c]) for c in v} for k, v in times.items()}
+    return {"label": label, "unit": unit, "items": items, "step_times": times, "median_step_s": med,
+            "rate_cpu": {k: items / m["cpu"] for k, m in med.items()},
+            "rate_wall": {k: items / m["wall"] for k, m in med.items()}, "note": notes.get("open_clip")}
+
+
+def print_table(results: list[dict], args, env: dict, step_note: str) -> None:
+    print(f"\n## Training-step throughput (CPU {env['cpu']}, torch {env['torch']}, {args.threads} compute thread(s); "
+          f"{args.repeats} alternating runs per contender, first {args.warmup} steps of each run excluded; 1-min load "
+          f"{env['load_1m_start']:.1f} at the start, {env['load_1m_end']:.1f} at the end)\n")
+    print("Rates from the median step time measured on this process's CPU clock (wall-clock rates in brackets).\n")
+    print("| workload | unit | plain PyTorch | diffmm Lightning | open_clip step | Lightning overhead (CPU) | "
+          "Lightning overhead (wall) | open_clip / plain (CPU) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for res in results:
+        c, w = res["rate_cpu"], res["rate_wall"]
+        oc, oc_ratio = "-", "-"
+        if "open_clip" in c:
+            oc, oc_ratio = f"{c['open_clip']:.1f} ({w['open_clip']:.1f})", f"{c['open_clip'] / c['plain']:.2f}"
+        print(f"| {res['label']} | {res['unit']} | {c['plain']:.1f} ({w['plain']:.1f}) | "
+              f"{c['lightning']:.1f} ({w['lightning']:.1f}) | {oc} | {100 * (c['plain'] / c['lightning'] - 1):+.1f}% | "
+              f"{100 * (w['plain'] / w['lightning'] - 1):+.1f}% | {oc_ratio} |")
+    m = results[-1]["median_step_s"]  # the framework-cost row
+    print(f"\nFramework cost per step (near-empty model): plain loop {1e3 * m['plain']['cpu']:.2f} ms, "
+          f"Lightning + diffmm callbacks/loggers {1e3 * m['lightning']['cpu']:.2f} ms CPU "
+          f"(+{1e3 * (m['lightning']['cpu'] - m['plain']['cpu']):.2f} ms per step).")
+    if step_note:
+        print(f"\nopen_clip step: {step_note}, on open_clip's CLIP of the same size.")
+    print("Lightning overhead = extra time per step relative to the plain loop (target <= 5%).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,120 +294,35 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    import diffmm
-    from diffmm.models.clip.config import get_model_config
-    from diffmm.models.lm import DiffLM, LMConfig
-    from diffmm.train.clip_module import CLIPModule
-    from diffmm.train.lm_module import LMModule
-
+    env = environment()
     lr, wd = 5e-4, 0.5
-    results: list[dict[str, Any]] = []
-    step_note = ""
     shards = args.shards
     if shards and not os.path.exists(shards.replace("{000000..000001}", "000000")):
         print(f"# {shards} not found: synthetic batches", file=sys.stderr)
         shards = None
 
+    results = []
     for name in [m for m in args.clip_models.split(",") if m]:
         cfg = get_model_config(name)
         batches = clip_batches(4, args.clip_batch, cfg.vision_cfg.image_size, cfg.text_cfg.context_length, shards)
-        contenders: dict[str, Callable[[TimedBatches], Any]] = {}
-
-        def make_module(name=name):
-            torch.manual_seed(0)
-            return CLIPModule(name, lr=lr, weight_decay=wd, warmup_steps=3, min_lr=lr / 50)
-
-        def plain(data, steps, name=name):
-            torch.manual_seed(0)
-            run_plain(diffmm.create_model(name), data, steps, clip_loss, lr, wd, clamp=True)
-
-        contenders["lightning"] = lambda data, steps, f=make_module: run_lightning(f, data, steps)
-        contenders["plain"] = plain
-        if cfg.vision_cfg.attn_type == "standard":
-            def oc(data, steps, name=name):
-                nonlocal step_note
-                torch.manual_seed(0)
-                step_note = run_open_clip(open_clip_twin(name), data, steps, lr, wd)
-            contenders["open_clip"] = oc
-        results.append(measure(f"{name} (batch {args.clip_batch})", "samples/s", contenders, batches,
-                               args, items=args.clip_batch))
-
-    def lm_contenders(cfg: LMConfig) -> dict:
-        def module():
-            torch.manual_seed(0)
-            return LMModule(model=DiffLM(cfg), context_length=cfg.block_size, lr=lr, weight_decay=0.05,
-                            warmup_steps=3, min_lr=lr / 50)
-
-        def plain(data, steps):
-            torch.manual_seed(0)
-            run_plain(DiffLM(cfg), data, steps, lm_loss, lr, 0.05, clamp=False)
-
-        return {"lightning": lambda d, steps: run_lightning(module, d, steps), "plain": plain}
-
-    lm_kwargs = json.loads(args.lm_kwargs)
-    lm_cfg = LMConfig.from_name(args.lm_model, **lm_kwargs)
+        results.append(measure(f"{name} (batch {args.clip_batch})", "samples/s", clip_contenders(name, lr, wd),
+                               batches, args, items=args.clip_batch))
+    lm_cfg = LMConfig.from_name(args.lm_model, **json.loads(args.lm_kwargs))
     results.append(measure(f"LM {args.lm_model} L{lm_cfg.n_layer} E{lm_cfg.n_embd} V{lm_cfg.vocab_size} "
-                           f"(batch {args.lm_batch}x{lm_cfg.block_size})", "tokens/s", lm_contenders(lm_cfg),
+                           f"(batch {args.lm_batch}x{lm_cfg.block_size})", "tokens/s", lm_contenders(lm_cfg, lr, 0.05),
                            lm_batches(4, args.lm_batch, lm_cfg.block_size, lm_cfg.vocab_size), args,
                            items=args.lm_batch * lm_cfg.block_size))
     # framework cost: a model so small that a step is almost only loop machinery
     null_cfg = LMConfig.from_name("diff-tiny", n_layer=1, n_embd=8, n_head=2, vocab_size=16, block_size=4)
-    results.append(measure("framework (1-layer width-8 LM, batch 1x4)", "steps/s", lm_contenders(null_cfg),
+    results.append(measure("framework (1-layer width-8 LM, batch 1x4)", "steps/s", lm_contenders(null_cfg, lr, 0.05),
                            lm_batches(4, 1, 4, 16), args, items=1, steps=args.null_steps))
-    print_table(results, args, step_note)
+    env["load_1m_end"] = os.getloadavg()[0]
+    step_note = next((r["note"] for r in results if r["note"]), "")
+    print_table(results, args, env, step_note)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "args": vars(args), "open_clip_step": step_note}, f, indent=1)
+            json.dump({**env, "results": results, "args": vars(args), "open_clip_step": step_note}, f, indent=1)
     return 0
-
-
-def measure(label: str, unit: str, contenders: dict, batches: list, args, items: int, steps: int | None = None) -> dict:
-    """Per-step wall and process-CPU times of every contender, pooled over alternating runs.
-
-    On a shared machine the wall clock includes waiting for other processes; the CPU time of this
-    process (one compute thread) counts only the work done, so it is the fairer overhead measure.
-    """
-    steps = steps or args.steps
-    times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in contenders}
-    for r in range(args.repeats):
-        for name, fn in contenders.items():
-            data = TimedBatches(batches, steps)
-            fn(data, steps)
-            for clock in ("wall", "cpu"):
-                times[name][clock] += data.step_times(args.warmup, clock)
-            print(f"# {label} run {r + 1}/{args.repeats} {name}: median step wall "
-                  f"{statistics.median(times[name]['wall']):.4f} s, cpu {statistics.median(times[name]['cpu']):.4f} s",
-                  file=sys.stderr)
-    med = {k: {c: statistics.median(v[c]) for c in v} for k, v in times.items()}
-    return {"label": label, "unit": unit, "items": items, "step_times": times, "median_step_s": med,
-            "rate_cpu": {k: items / m["cpu"] for k, m in med.items()},
-            "rate_wall": {k: items / m["wall"] for k, m in med.items()}}
-
-
-def print_table(results: list[dict], args, step_note: str) -> None:
-    print(f"\n## Training-step throughput (CPU, {args.threads} compute thread(s); {args.repeats} alternating runs "
-          f"per contender, first {args.warmup} steps of each run excluded)\n")
-    print("Rates from the median step time measured on this process's CPU clock (wall-clock rates in brackets).\n")
-    print("| workload | unit | plain PyTorch | diffmm Lightning | open_clip step | Lightning overhead (CPU) | "
-          "Lightning overhead (wall) | open_clip / plain (CPU) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for res in results:
-        c, w = res["rate_cpu"], res["rate_wall"]
-        oc, oc_ratio = "-", "-"
-        if "open_clip" in c:
-            oc, oc_ratio = f"{c['open_clip']:.1f} ({w['open_clip']:.1f})", f"{c['open_clip'] / c['plain']:.2f}"
-        print(f"| {res['label']} | {res['unit']} | {c['plain']:.1f} ({w['plain']:.1f}) | "
-              f"{c['lightning']:.1f} ({w['lightning']:.1f}) | {oc} | {100 * (c['plain'] / c['lightning'] - 1):+.1f}% | "
-              f"{100 * (w['plain'] / w['lightning'] - 1):+.1f}% | {oc_ratio} |")
-    null = next((r for r in results if r["label"].startswith("framework")), None)
-    if null is not None:
-        m = null["median_step_s"]
-        print(f"\nFramework cost per step (near-empty model): plain loop {1e3 * m['plain']['cpu']:.2f} ms, "
-              f"Lightning + diffmm callbacks/loggers {1e3 * m['lightning']['cpu']:.2f} ms CPU "
-              f"(+{1e3 * (m['lightning']['cpu'] - m['plain']['cpu']):.2f} ms per step).")
-    if step_note:
-        print(f"\nopen_clip step: {step_note}, on open_clip's CLIP of the same size.")
-    print("Lightning overhead = extra time per step relative to the plain loop (target <= 5%).")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ TITLES = {"correctness": "1. Correctness: triton (and flash) vs reference",
 SHARE = {"correctness": 0.15, "speed": 0.45, "diff_v2": 0.12, "train": 0.28}  # of what the pre-compile leaves
 PREWARM_SHARE = 0.25  # at most this part of the budget for the parallel pre-compile
 OPTIONAL = ("open_clip", "webdataset", "jsonargparse", "lightning", "pytorch_lightning")
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # Part 1. Tolerances of the CPU tests (tests/ops/test_triton_diff.py: fp32 2e-5, fp16 1e-2; bf16 3e-2 as its
 # CUDA test) on max abs error / max abs fp32 reference value.
@@ -292,7 +293,7 @@ TABLES = {
                              "sdpa y": "sdpa_errs.y", "sdpa dq": "sdpa_errs.dq"}},
     "speed": {"rows": {"d": "d", "N": "N", "causal": "causal", "path": "impl", "status": "status", "fwd ms": "fwd_ms",
                        "fwd TFLOP/s": "fwd_tflops", "fwd+bwd ms": "fwdbwd_ms", "fwd+bwd TFLOP/s": "fwdbwd_tflops",
-                       "fwd+bwd peak MiB": "fwdbwd_peak_mib", "tuned tiles ok": "check.ok"},
+                       "fwd+bwd peak MiB": "fwdbwd_peak_mib", "tuned tiles": "check.status"},
               "summary": {"d": "d", "N": "N", "causal": "causal", "fused fwd TFLOP/s": "fused_fwd_tflops",
                           "fused fwd+bwd TFLOP/s": "fused_fwdbwd_tflops", "best unfused": "best_unfused",
                           "fwd+bwd speedup": "fwdbwd_speedup_vs_best_unfused",
@@ -310,8 +311,6 @@ TABLES = {
                          "ok": "ok", "loss1 rel diff": "loss1_rel_diff", "grad-norm rel diff": "grad_norm0_rel_diff",
                          "triton speed / sdpa": "speed_triton_over_sdpa"}},
 }
-KERNEL_COLUMNS = {k: k for k in ("kernel", "D", "CAUSAL", "HAS_PAD", "NORM", "PREC", "BLOCK_M", "BLOCK_N",
-                                 "num_warps", "num_stages", "shared", "n_regs", "n_spills")}
 
 
 def cell(row: dict, key: str) -> str:
@@ -380,9 +379,6 @@ class Recorder:
             lines += [f"- autotune {k}: " + "; ".join(f"{a} -> {b}" for a, b in v.items())
                       for k, v in part.get("autotune", {}).items()]
             lines += [f"- skipped {s['what']}: {s['reason']}" for s in part.get("skipped", [])]
-        if self.result.get("kernels"):
-            lines += ["", "## Compiled kernels: registers and spills", ""]
-            lines += markdown_table(self.result["kernels"], KERNEL_COLUMNS)
         return lines
 
 
@@ -569,21 +565,6 @@ def model_flops(impl: str, B: int, h: int, N: int, d: int, causal: bool, bwd: bo
     return f / 2 if causal else f
 
 
-def tuned_tile_check(leaves, fwd, dy, causal: bool, dtype) -> tuple[bool, dict]:
-    """The fused kernel's output and gradients (tuned tiles) against the fp32 reference on the same inputs."""
-    for t in leaves:
-        t.grad = None
-    y = fwd()
-    y.backward(dy)
-    got = [y.detach().float()] + [t.grad.float() for t in leaves]
-    xs = [t.detach().float().requires_grad_() for t in leaves]
-    ref = ops.diff_attention(*xs[:4], causal=causal, norm_weight=xs[4], lambda_init=0.2, backend="reference")
-    ref.backward(dy.float())
-    for t in leaves:
-        t.grad = None
-    return compare(got, [ref.detach()] + [x.grad for x in xs], TOL[dtype])
-
-
 def speed_case(ctx: Ctx, item: tuple, row: dict, cfg: dict) -> None:
     d, N, causal, impl = item
     B, h, dtype = row["B"], row["h"], cfg["dtype"]
@@ -606,10 +587,9 @@ def speed_case(ctx: Ctx, item: tuple, row: dict, cfg: dict) -> None:
     row["fwdbwd_tflops"] = model_flops(impl, B, h, N, d, causal, True) / row["fwdbwd_ms"] / 1e9
     row["status"] = "ok"
     if impl == "fused-triton" and N <= cfg["check_max_n"]:  # the reference needs N x N memory
-        ok, errs = tuned_tile_check(leaves, fwd, dy, causal, dtype)
-        row["check"] = {"ok": ok, "errs": errs, "tol": TOL[dtype]}
-        if not ok:
-            ctx.failures.append(f"tuned-tile check fused-triton d={d} N={N} causal={causal}: {worst(errs, TOL[dtype])}")
+        c = Case(f"tuned tiles d={d} N={N} causal={causal}", B, N, N, h, h, d, causal, False)  # same autotune key
+        row["check"] = {"tol": TOL[dtype]}
+        correctness_case(ctx, ("triton", dtype, c), row["check"])  # part 1's check, on the tile the autotuner chose
 
 
 def speed_summary(rows: list[dict]) -> list[dict]:
@@ -667,34 +647,6 @@ def run_speed(ctx: Ctx, part: dict) -> None:
 
     with autotuning(True):
         run_cases(ctx, part, "2/speed", todo, describe, run_one)
-
-
-def kernel_stats() -> list[dict]:
-    """Registers and spills of every compiled variant of the fused kernels (empty under the interpreter).
-
-    Read from Triton's per-device JIT caches after the kernels ran (``n_regs`` / ``n_spills`` are known once a
-    binary is loaded); anything the installed Triton lays out differently is skipped, not fatal.
-    """
-    out = []
-    for fn in (triton_diff_fwd._diff_fwd_kernel, triton_diff_bwd._bwd_pre_kernel, triton_diff_bwd._bwd_dkdv_kernel,
-               triton_diff_bwd._bwd_dq_kernel):
-        caches = getattr(fn, "device_caches", None)
-        for entry in list(caches.values()) if isinstance(caches, dict) else []:
-            cache = entry[0] if isinstance(entry, tuple) else entry
-            for kern in list(cache.values()) if isinstance(cache, dict) else []:
-                try:
-                    md, consts = kern.metadata, {}
-                    for k, v in (getattr(getattr(kern, "src", None), "constants", None) or {}).items():
-                        idx = k[0] if isinstance(k, tuple) else k
-                        name = fn.arg_names[idx] if isinstance(idx, int) and idx < len(fn.arg_names) else str(idx)
-                        if name.isupper() or name.startswith("BLOCK"):
-                            consts[name] = v if isinstance(v, (int, float, bool, str)) else str(v)
-                    out.append({"kernel": fn.__name__, **consts, "num_warps": md.num_warps, "num_stages": md.num_stages,
-                                "shared": md.shared, "n_regs": getattr(kern, "n_regs", None),
-                                "n_spills": getattr(kern, "n_spills", None)})
-                except Exception:  # noqa: BLE001  (a Triton version with other internals: skip the entry)
-                    continue
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- 3. diff_v2
@@ -919,14 +871,14 @@ RUNNERS = {"correctness": run_correctness, "speed": run_speed, "diff_v2": run_la
 # ------------------------------------------------------------------------------------------ 0. pre-compile
 # A kernel binary depends on the dtype, the constexprs (head dim, causal, padding, norm, tile) and on how the
 # integer arguments specialise (== 1, divisible by 16): here the head count and the GQA ratio. Sequence lengths
-# are not specialised, so a launch at a tiny size compiles the binary the measured sizes use. The tasks are derived
+# are not specialised, so a launch at a tiny size compiles the binary the measured sizes use. The cases are derived
 # from the parts' own tables, so they stay in step with them.
-WARM_N = 64  # sequence length of a pre-compile launch
 
 
-def warm_tasks(dry: bool, parts: list[str]) -> list[tuple]:
-    """Every kernel variant the selected parts launch, heaviest first: each (d, h, h_kv, causal) of parts 2-4 run
-    with autotuning on (the autotuner compiles each candidate tile), then part 1's cases in each dtype."""
+def warm_cases(dry: bool, parts: list[str]) -> list[tuple[str, Case, bool]]:
+    """(dtype, case, autotune) of every kernel variant the selected parts launch, heaviest first: each
+    (d, h, h_kv, causal) of parts 2-4 with autotuning on (the autotuner compiles each candidate tile), then
+    part 1's cases in each dtype with autotuning off."""
     variants = []
     if "speed" in parts:
         cfg = SPEED_DRY if dry else SPEED_GPU
@@ -944,55 +896,38 @@ def warm_tasks(dry: bool, parts: list[str]) -> list[tuple]:
         for shape, over in lm["shapes"].items():
             c = LMConfig.from_name(f"diff-{shape}", **over)
             variants.append((c.head_dim, c.n_head // 2, c.n_kv_head // 2, True))
-    tasks = [("tuned", v) for v in dict.fromkeys(variants) if v[0] in HEAD_DIMS]
+    tuned = "fp32" if dry else "bf16"
+    cases = [(tuned, Case(f"tuned-d{d}-h{h}-kv{h_kv}-causal{int(causal)}", 1, 64, 64, h, h_kv, d, causal, False), True)
+             for d, h, h_kv, causal in dict.fromkeys(variants) if d in HEAD_DIMS]
     if "correctness" in parts:
-        tasks += [("case", dt, c.name) for dt in (["fp16", "fp32"] if dry else ["bf16", "fp16", "fp32"])
+        cases += [(dt, c, False) for dt in (["fp16", "fp32"] if dry else ["bf16", "fp16", "fp32"])
                   for c in (DRY_CASES if dry else GPU_CASES)]
-    return tasks
-
-
-def run_warm_task(task: tuple, device: torch.device) -> None:
-    if task[0] == "case":
-        case = {c.name: c for c in (DRY_CASES if device.type == "cpu" else GPU_CASES)}[task[2]]
-        dtype = {name: dt for dt, name in DTYPE_NAMES.items()}[task[1]]
-        with autotuning(False):
-            run_backend("triton", case, *make_inputs(case, dtype, device))
-        return
-    d, h, h_kv, causal = task[1]
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
-    q, k, v = mk(1, WARM_N, 2 * h, d), mk(1, WARM_N, 2 * h_kv, d), mk(1, WARM_N, h_kv, 2 * d)
-    lam = torch.tensor(0.3, device=device, requires_grad=True)
-    w = torch.ones(2 * d, device=device, requires_grad=True)
-    with autotuning(True):
-        y = ops.diff_attention(q, k, v, lam, causal=causal, norm_weight=w, lambda_init=0.2, backend="triton")
-        y.backward(torch.randn_like(y))
+    return cases
 
 
 def warm_worker(shard: str, dry: bool, parts: list[str]) -> int:
-    """Run tasks ``i::n`` of :func:`warm_tasks` (``shard = 'i/n'``); one line per task; exit 1 if any failed."""
+    """Run cases ``i::n`` of :func:`warm_cases` (``shard = 'i/n'``); one line each; exit 1 if any failed."""
     i, n = (int(x) for x in shard.split("/"))
     device, failed = torch.device("cpu" if dry else "cuda"), 0
-    for task in warm_tasks(dry, parts)[i::n]:
+    for dtype, case, tuned in warm_cases(dry, parts)[i::n]:
         start = time.time()
         try:
-            run_warm_task(task, device)
-            print(f"warm {task}: {time.time() - start:.1f} s", flush=True)
+            with autotuning(tuned):
+                run_backend("triton", case, *make_inputs(case, DTYPES[dtype], device))
+            print(f"warm {dtype} {case.name}: {time.time() - start:.1f} s", flush=True)
         except Exception as e:  # noqa: BLE001  (the measured run will report it properly)
             failed += 1
-            print(f"warm {task}: FAILED {err_line(e)}", flush=True)
+            print(f"warm {dtype} {case.name}: FAILED {err_line(e)}", flush=True)
     return 1 if failed else 0
 
 
 def prewarm(ctx: Ctx, jobs: int, parts: list[str], timeout_s: float) -> dict:
-    """Run :func:`warm_tasks` in ``jobs`` worker processes for at most ``timeout_s``; what happened, for the JSON."""
-    tasks = warm_tasks(ctx.dry, parts)
-    jobs = max(1, min(jobs, len(tasks)))
+    """Run :func:`warm_cases` in ``jobs`` worker processes for at most ``timeout_s``; what happened, for the JSON."""
+    n_cases = len(warm_cases(ctx.dry, parts))
+    jobs = max(1, min(jobs, n_cases))
     start = time.time()
-    ctx.progress("0/prewarm", f"{len(tasks)} kernel variants in {jobs} worker processes (at most {timeout_s:.0f} s)")
-    argv = [sys.executable, str(Path(__file__).resolve()), "--parts", ",".join(parts)]
-    if ctx.dry:
-        argv.append("--dry-run")
+    ctx.progress("0/prewarm", f"{n_cases} kernel variants in {jobs} worker processes (at most {timeout_s:.0f} s)")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--parts", ",".join(parts)] + ["--dry-run"] * ctx.dry
     procs = [subprocess.Popen(argv + ["--_warm", f"{i}/{jobs}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")) for i in range(jobs)]
     logs, codes = [], []
@@ -1006,10 +941,9 @@ def prewarm(ctx: Ctx, jobs: int, parts: list[str], timeout_s: float) -> dict:
         logs += out.strip().splitlines()
     failed = [line for line in logs if "FAILED" in line or "killed" in line or "Traceback" in line]
     times = [float(m.group(1)) for m in (re.search(r": ([0-9.]+) s$", line) for line in logs) if m]
-    res = {"jobs": jobs, "tasks": len(tasks), "done": len(times), "wall_s": round(time.time() - start, 1),
-           "task_s_sum": round(sum(times), 1), "task_s_max": max(times, default=None), "exit_codes": codes,
-           "failed_lines": failed[:20]}
-    ctx.progress("0/prewarm", f"{res['done']}/{len(tasks)} done in {res['wall_s']} s (compile + run {res['task_s_sum']}"
+    res = {"jobs": jobs, "tasks": n_cases, "done": len(times), "wall_s": round(time.time() - start, 1),
+           "task_s_sum": round(sum(times), 1), "exit_codes": codes, "failed_lines": failed[:20]}
+    ctx.progress("0/prewarm", f"{res['done']}/{n_cases} done in {res['wall_s']} s (compile + run {res['task_s_sum']}"
                               f" s summed over workers); worker exit codes {codes}" +
                  (f"; {len(failed)} problem line(s), first: {failed[0]}" if failed else ""))
     return res
@@ -1126,6 +1060,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     slug = "cpu-dryrun" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", meta["device_name"].lower()).strip("-")
     rec = Recorder(out / f"{meta['date']}-{slug}.json", out / f"{meta['date']}-{slug}.md", meta)
     ctx = Ctx(device=device, dry=args.dry_run, t0=t0, deadline=t0 + args.budget_s, rec=rec)
+    rec.result["failures"] = ctx.failures  # the same list: every save writes the failures so far
     print(f"# gpu_check: {meta['device_name']}, torch {meta['torch']}, triton {meta['triton']}, flash-attn "
           f"{meta['flash_attn']}, parts {', '.join(parts)}, budget {args.budget_s:.0f} s -> {rec.json_path}",
           flush=True)
@@ -1152,7 +1087,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"# part {p}: skipped (global budget used up)", flush=True)
         elif not run_part(ctx, rec.part(p), p):
             crashed.append(p)
-        rec.result.update(failures=ctx.failures, kernels=kernel_stats())  # registers / spills of every variant
         rec.save()
 
     meta["optional_modules_imported"] = [m for m in OPTIONAL if m in sys.modules]

@@ -101,7 +101,7 @@ def test_dry_run_runs_every_part(tmp_path):
 
     speed = parts["speed"]
     fused = [r for r in speed["rows"] if r["impl"] == "fused-triton"]
-    assert len(fused) == 2 and all(r["status"] == "ok" and r["check"]["ok"] for r in fused)
+    assert len(fused) == 2 and all(r["status"] == "ok" and r["check"]["status"] == "pass" for r in fused)
     measured = {r["impl"] for r in speed["rows"] if r["status"] == "ok"}
     assert {"sdpa-pair", "sdpa-split", "official-4call", "standard-sdpa"} <= measured
     assert all(r["fwd_ms"] > 0 and r["fwdbwd_tflops"] > 0 for r in speed["rows"] if r["status"] == "ok")
