@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 
 from diffmm.train.callbacks import NonFiniteGuard
 from diffmm.train.monitor import Throughput, lambda_layers, lambda_values
-from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler
+from diffmm.train.optim import WarmupCosineLR, adamw
 
 _BLOCK_LIST_NAMES = ("blocks", "resblocks", "layers", "h")
 
@@ -136,27 +136,25 @@ class TrainModule(pl.LightningModule):
         return [NonFiniteGuard()]
 
     def on_train_start(self) -> None:
-        if self.trainer.is_global_zero:
-            for config in self.trainer.lr_scheduler_configs:
-                describe = getattr(config.scheduler, "describe_restore", None)
-                note = describe() if describe is not None else ""
-                if note:
-                    log.info("%s", note)
+        for config in self.trainer.lr_scheduler_configs:
+            note = config.scheduler.describe_restore() if isinstance(config.scheduler, WarmupCosineLR) else ""
+            if note and self.trainer.is_global_zero:
+                log.info("%s", note)
 
     def configure_optimizers(self) -> dict:
-        groups = param_groups(self.model, self.weight_decay, self.extra_no_decay())
-        opt = build_adamw(groups, self.lr, self.betas, self.eps)
-        warmup, total = self._schedule_steps()
-        sched = warmup_cosine_scheduler(opt, warmup, total, self.lr, self.min_lr)
+        opt = adamw(self.model, self.lr, self.weight_decay, self.betas, self.eps, self.extra_no_decay())
+        sched = WarmupCosineLR(opt, *self._schedule_steps(), self.lr, self.min_lr)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     # ----- logging ------------------------------------------------------------------------------
     def should_log_now(self) -> bool:
-        """True on the steps where the trainer writes logs (heavier metrics are only computed then)."""
+        """True on the training steps where the trainer writes logs (every ``log_every_n_steps`` optimizer steps
+        and the last one; heavier metrics are only computed then)."""
         try:
-            return bool(self.trainer._logger_connector.should_update_logs)
-        except (AttributeError, RuntimeError, NotImplementedError):  # no trainer attached
+            trainer = self.trainer
+        except RuntimeError:  # no trainer attached
             return False
+        return (trainer.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop
 
     def sharded(self) -> bool:
         """True under FSDP-style strategies (parameters are only whole inside forward/backward)."""

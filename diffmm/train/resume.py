@@ -57,7 +57,7 @@ class ResumableLoader:
         self.default_epoch = default_epoch
         self.position, self.signature = position, signature
         self.epoch: int = -1          # epoch of the current / last iteration
-        self._yielded = 0             # batches yielded (after the replay) in the current epoch
+        self.yielded = 0              # batches yielded (the replay included) in the current epoch
         self._pending: Optional[tuple[int, int]] = None  # (epoch, batches to skip) restored from a checkpoint
         self.skipped_on_resume = 0
         #: sample keys of the rows yielded this epoch, when the dataset emits ``(batch, keys)`` (``with_keys``)
@@ -73,7 +73,7 @@ class ResumableLoader:
         elif self.position is not None:
             pos = self.position()
         else:
-            pos = {"epoch": self.epoch, "batches": self._yielded}
+            pos = {"epoch": self.epoch, "batches": self.yielded}
         return {**pos, **(self.signature() if self.signature else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -112,7 +112,7 @@ class ResumableLoader:
             epoch = self.default_epoch() if self.default_epoch is not None else self.epoch + 1
             skip = 0
         self.epoch = epoch
-        self._yielded = skip
+        self.yielded = skip
         return epoch, skip
 
     def _iterate(self) -> Iterator[Any]:
@@ -154,7 +154,7 @@ class ResumableLoader:
             if n == skip + 1 and skip:
                 self.skipped_on_resume = skip
                 log.info("resumed data at epoch %d after %d batches (replayed and dropped)", epoch, skip)
-            self._yielded = n
+            self.yielded = n
             yield batch
         if n < skip:  # only when the data changed between save and resume
             warnings.warn(f"resume: epoch {epoch} has {n} batches, fewer than the {skip} already consumed", stacklevel=2)
