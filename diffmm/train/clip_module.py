@@ -10,7 +10,6 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import yaml
 
 from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
 from diffmm.hub.factory import apply_swap, create_model
@@ -37,25 +36,9 @@ def resuming_from(ckpt_path: Optional[str]) -> Iterator[None]:
     finally:
         _RESUME_CHECKPOINT = previous
 
+
 #: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
 MAX_LOGIT_SCALE = math.log(100.0)
-
-
-def _typed(options: Optional[dict]) -> Optional[dict]:
-    """Values of a dict option given on the command line arrive as strings (``--model.init_args.swap.seed 3``):
-    read each string as a YAML scalar, as the same value written in the config file would be."""
-    if not options:
-        return options
-    out = {}
-    for key, value in dict(options).items():
-        if isinstance(value, str):
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                parsed = value
-            value = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
-        out[key] = value
-    return out
 
 
 class CLIPModule(TrainModule):
@@ -88,17 +71,14 @@ class CLIPModule(TrainModule):
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
                  pretrained: Optional[str] = None, model: Optional[nn.Module] = None, *,
-                 swap: Optional[dict] = None, trust_pickle: bool = False,
+                 swap: Optional[dict[str, Any]] = None, trust_pickle: bool = False,
                  local_loss: bool = False, gather_with_grad: bool = True,
                  lr: float = 5e-4, min_lr: float = 1e-5, weight_decay: float = 0.5,
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
                  warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
-                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict] = None) -> None:
-        swap, zeroshot = _typed(swap), _typed(zeroshot)  # before save_hyperparameters: checkpoints keep typed values
-        super().__init__(lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                         warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
-                         grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)
+                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None) -> None:
+        super().__init__()
         self.save_hyperparameters(ignore=["model"])
         if pretrained and _RESUME_CHECKPOINT and not os.path.exists(os.path.expanduser(pretrained)):
             log.warning("model.pretrained %s is not there; it is not read: the run resumes from %s, which holds "

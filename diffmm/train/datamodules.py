@@ -14,8 +14,6 @@ saves their position (epoch, batches consumed) in every checkpoint through the s
 from __future__ import annotations
 
 import logging
-import math
-import os
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
@@ -48,15 +46,9 @@ def check_shard_spec(spec: Optional[str], key: str) -> None:
             raise ConfigError(f"{key}: {e}") from None
 
 
-def same_value(a: Any, b: Any) -> bool:
-    """Equal config values: sequences element-wise (floats to 1e-6), strings naming one file as the same path."""
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-    if isinstance(a, str) and isinstance(b, str) and a != b and os.path.isfile(a) and os.path.isfile(b):
-        return os.path.samefile(a, b)
-    return a == b
+def _plain(value: Any) -> Any:
+    """A config value as YAML writes it (tuples as lists), for comparing and showing."""
+    return [float(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def follow_model(data: Any, model_values: dict[str, Any]) -> None:
@@ -66,13 +58,12 @@ def follow_model(data: Any, model_values: dict[str, Any]) -> None:
         ConfigError: the data config set one of them (``data.given``) to a different value.
     """
     for key, value in model_values.items():
-        given = data.given.get(key)
-        if given is not None and value is not None and not same_value(given, value):
-            show = (lambda v: repr(list(v)) if isinstance(v, tuple) else repr(v))
-            raise ConfigError(f"data.{key} is {show(given)} but the model's {key} is {show(value)}; data.{key} is "
+        given, value = _plain(data.given.get(key)), _plain(value)
+        if given is not None and value is not None and given != value:
+            raise ConfigError(f"data.{key} is {given!r} but the model's {key} is {value!r}; data.{key} is "
                               f"linked from the model: remove it from the data config (or change the model)")
         if value is not None:
-            setattr(data, key, value)
+            setattr(data, key, tuple(value) if isinstance(value, list) else value)
 
 
 def trained_module(data: pl.LightningDataModule) -> Optional[pl.LightningModule]:

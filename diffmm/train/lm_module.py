@@ -56,9 +56,7 @@ class LMModule(TrainModule):
                  weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
                  warmup_steps: int = 375, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True) -> None:
-        super().__init__(lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                         warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
-                         grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)
+        super().__init__()
         self.save_hyperparameters(ignore=["model"])
         self.tokenizer = tokenizer
         if model is None:
