@@ -275,8 +275,8 @@ class ImageTextDataModule(ShardDataModule):
 
     def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any) -> ImageTextDataset:
         if self.model is not None:  # the model's own preprocessing (open_clip-built models keep open_clip's)
-            transform, tokenizer = transforms_for(self.model, scale=self.crop_scale)[0 if train else 1], \
-                tokenizer_for(self.model)
+            transform = transforms_for(self.model, scale=self.crop_scale)[0 if train else 1]
+            tokenizer = tokenizer_for(self.model)
         else:
             transform = image_transform(self.image_size, train, self.crop_scale, self.image_mean, self.image_std)
             tokenizer = CLIPTokenizer(self.context_length, self.truncate)
