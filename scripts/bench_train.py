@@ -54,7 +54,7 @@ from diffmm.train.clip_module import CLIPModule
 from diffmm.train.datamodules import ImageTextDataModule
 from diffmm.train.lm_module import LMModule
 from diffmm.train.losses import ContrastiveLoss, next_token_loss
-from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler
+from diffmm.train.optim import WarmupCosineLR, adamw
 
 
 def environment() -> dict:
@@ -145,8 +145,8 @@ def run_lightning(module_fn: Callable, data: TimedBatches, steps: int) -> None:
 
 def run_plain(model: torch.nn.Module, data: TimedBatches, steps: int, loss_fn: Callable, lr: float, wd: float,
               clamp: bool) -> None:
-    opt = build_adamw(param_groups(model, wd), lr, (0.9, 0.98), 1e-8)
-    sched = warmup_cosine_scheduler(opt, 3, steps, lr, lr / 50)
+    opt = adamw(model, lr, wd, (0.9, 0.98), 1e-8)
+    sched = WarmupCosineLR(opt, 3, steps, lr, lr / 50)
     model.train()
     for i, batch in enumerate(data):
         loss = loss_fn(model, batch)

@@ -74,11 +74,11 @@ def test_rmsnorm_equals_torch_rmsnorm(dtype):
 
 # ------------------------------------------------------------- warmup + cosine vs torch's composed schedulers
 def test_warmup_cosine_equals_torch_sequential_lr_until_the_end_then_holds_the_floor():
-    from diffmm.train.optim import warmup_cosine_scheduler
+    from diffmm.train.optim import WarmupCosineLR
 
     warmup, total, lr, min_lr = 10, 100, 1.0, 0.1
     o1 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    ours = warmup_cosine_scheduler(o1, warmup, total, lr, min_lr)
+    ours = WarmupCosineLR(o1, warmup, total, lr, min_lr)
     o2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     lib = torch.optim.lr_scheduler.SequentialLR(o2, [
         torch.optim.lr_scheduler.LinearLR(o2, start_factor=1 / warmup, total_iters=warmup - 1),
@@ -156,11 +156,12 @@ def test_image_transform_equals_open_clip(train):
     from open_clip.transform import AugmentationCfg
     from open_clip.transform import image_transform as oc_transform
 
-    from diffmm.data.transforms import CLIP_MEAN, CLIP_STD, image_transform
+    from diffmm.models.clip.config import OPENAI_MEAN, OPENAI_STD
+    from diffmm.models.clip.preprocess import image_transform
 
     img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (50, 70), dtype=np.uint8))  # grey, not square
     ours = image_transform(32, train)
-    lib = oc_transform(32, train, mean=CLIP_MEAN, std=CLIP_STD, aug_cfg=AugmentationCfg(scale=(0.5, 1.0)))
+    lib = oc_transform(32, train, mean=OPENAI_MEAN, std=OPENAI_STD, aug_cfg=AugmentationCfg(scale=(0.5, 1.0)))
     torch.manual_seed(3)
     a = ours(img)
     torch.manual_seed(3)

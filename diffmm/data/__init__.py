@@ -10,15 +10,14 @@ from diffmm.data.sizes import total_samples
 from diffmm.data.stats import DataStats
 from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.data.text import TextDataset, inputs_targets, text_loader
-from diffmm.data.tokenizers import ClipBPE, TokenizerFile, clip_tokenizer, load_lm_tokenizer, train_byte_level_bpe
-from diffmm.data.transforms import image_transform
+from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer, train_byte_level_bpe
 from diffmm.data.urls import expand_sources
 from diffmm.data.writer import ShardWriter
 
 __all__ = [
     "ClipBPE", "DataStats", "ImageLabelDataset", "ImageTextDataset", "ShardLoader", "ShardStream", "ShardWriter",
-    "TextDataset", "TokenizerFile", "assign_shards", "check_shards", "clip_tokenizer", "detect_rank_world",
-    "expand_sources", "image_label_loader", "image_text_loader", "image_transform", "index_shards", "inputs_targets",
+    "TextDataset", "TokenizerFile", "assign_shards", "check_shards", "detect_rank_world",
+    "expand_sources", "image_label_loader", "image_text_loader", "index_shards", "inputs_targets",
     "load_lm_tokenizer", "text_loader", "total_samples", "train_byte_level_bpe", "write_json_atomic",
     "write_shards_from_captions", "write_shards_from_folders", "write_shards_from_text",
 ]

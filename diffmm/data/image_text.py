@@ -7,8 +7,8 @@ import torch
 
 from diffmm.data.decode import MAX_IMAGE_PIXELS, decode_image, decode_text, parse_label
 from diffmm.data.stream import ShardLoader, ShardStream
-from diffmm.data.tokenizers import clip_tokenizer
-from diffmm.data.transforms import image_transform
+from diffmm.models.clip.preprocess import image_transform
+from diffmm.models.clip.tokenizer import CLIPTokenizer
 
 
 class _ImageStream(ShardStream):
@@ -43,8 +43,10 @@ class ImageTextDataset(_ImageStream):
     Args:
         urls: shard spec.
         batch_size: per-rank batch size.
-        transform: PIL -> tensor; default :func:`image_transform` (``image_size``, ``train``).
-        tokenizer: list[str] -> LongTensor; default CLIP BPE with ``context_length``.
+        transform: PIL -> tensor; default :func:`~diffmm.models.clip.preprocess.image_transform` (``image_size``,
+            ``train``; OpenAI CLIP's mean/std). A model's own: ``diffmm.models.clip.preprocess.transforms_for(model)``.
+        tokenizer: list[str] -> LongTensor; default the CLIP BPE with ``context_length`` (open_clip's truncation).
+            A model's own: ``diffmm.models.clip.preprocess.tokenizer_for(model)``.
         image_size: for the default transform.
         context_length: for the default tokenizer.
         train: default transform kind; also the default for ``shuffle`` and ``equalize``.
@@ -64,7 +66,7 @@ class ImageTextDataset(_ImageStream):
                  tokenizer: Callable | None = None, image_size: int = 224, context_length: int = 77,
                  train: bool = True, text_field: str = "txt", **kwargs: Any) -> None:
         super().__init__(urls, batch_size, transform, image_size, train, **kwargs)
-        self.tokenizer = tokenizer if tokenizer is not None else clip_tokenizer(context_length)
+        self.tokenizer = tokenizer if tokenizer is not None else CLIPTokenizer(context_length)
         self.text_field = text_field
 
     def _process(self, sample: dict) -> tuple[torch.Tensor, str] | None:

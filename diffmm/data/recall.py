@@ -150,9 +150,9 @@ class RecallBatch:
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
-    def as_training(self) -> dict[str, torch.Tensor]:
-        """``{"inputs", "targets"}``: what the training module consumes."""
-        return {"inputs": self.inputs, "targets": self.targets}
+    def as_training(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``: what the training module consumes (``LMModule``: loss where targets are not -100)."""
+        return self.inputs, self.targets
 
 
 def _rng(seed: int, index: int, stream: int = 0) -> np.random.Generator:
@@ -245,7 +245,7 @@ def task_weights(tasks: Sequence[RecallTask], weights: Optional[Sequence[float]]
 
 
 class RecallStream(torch.utils.data.IterableDataset):
-    """Endless training batches ``{"inputs", "targets"}`` from a mixture of :class:`RecallTask` s.
+    """Endless training batches ``(inputs, targets)`` from a mixture of :class:`RecallTask` s.
 
     Batch ``n`` (counted over the whole run) uses task ``tasks[c]`` with ``c`` drawn from ``weights``
     by ``(seed, n)``, and its sequences are ``make_recall_batch(task, batch_size, seed', n)``; so
@@ -285,12 +285,12 @@ class RecallStream(torch.utils.data.IterableDataset):
         """Sequences per batch of ``task``."""
         return self.batch_size if self.batch_tokens is None else max(1, self.batch_tokens // task.seq_len)
 
-    def batch(self, n: int) -> dict[str, torch.Tensor]:
+    def batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch ``n``."""
         task = self.task_of(n)
         return make_recall_batch(task, self.rows(task), seed=self.seed, index=n).as_training()
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         k = self.start + wid

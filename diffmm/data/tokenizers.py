@@ -1,4 +1,4 @@
-"""Tokenizers: CLIP BPE for captions; CLIP BPE, local byte-level BPE or any ``tokenizer.json`` for LM text."""
+"""LM tokenizers: the CLIP BPE, a local byte-level BPE or any ``tokenizer.json`` (captions: ``diffmm.models.clip.tokenizer``)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,15 +9,6 @@ from open_clip.tokenizer import SimpleTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
-
-
-def clip_tokenizer(context_length: int = 77):
-    """open_clip's CLIP BPE tokenizer: ``tok(list_of_str) -> LongTensor (B, context_length)``.
-
-    Captions get ``<start_of_text>`` ... ``<end_of_text>`` and zero padding; longer ones are cut
-    with ``<end_of_text>`` kept last. Vocabulary 49408 (ships inside open_clip, no download).
-    """
-    return SimpleTokenizer(context_length=context_length)
 
 
 class LMTokenizer(Protocol):

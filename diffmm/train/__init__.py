@@ -1,22 +1,15 @@
-"""Lightning training: modules, data modules, the ``diffmm fit|validate|test|predict`` CLI.
+"""Lightning training: modules, data modules, the ``diffmm fit|validate|test|predict`` CLI (:mod:`diffmm.train.cli`)."""
+from diffmm.train.base import TrainModule
+from diffmm.train.checkpoint_io import AtomicCheckpointIO
+from diffmm.train.clip_module import CLIPModule
+from diffmm.train.datamodules import ImageTextDataModule, RecallDataModule, ShardDataModule, TextDataModule
+from diffmm.train.errors import ConfigError
+from diffmm.train.lm_module import LMModule
+from diffmm.train.losses import ContrastiveLoss
+from diffmm.train.optim import WarmupCosine, WarmupCosineLR, adamw, param_groups
+from diffmm.train.resume import ResumableLoader
+from diffmm.train.strategies import BlockFSDPStrategy
 
-Imported lazily so ``import diffmm.train`` does not import Lightning until a name is used.
-"""
-from __future__ import annotations
-
-import importlib
-
-_EXPORTS = {
-    "CLIPModule": "clip_module", "LMModule": "lm_module", "TrainModule": "base",
-    "ImageTextDataModule": "datamodules", "TextDataModule": "datamodules", "ShardDataModule": "datamodules",
-    "ContrastiveLoss": "losses", "ResumableLoader": "resume", "AtomicCheckpointIO": "checkpoint_io",
-    "param_groups": "optim", "WarmupCosine": "optim", "ConfigError": "errors", "BlockFSDPStrategy": "strategies",
-    "RecallLMModule": "recall_module", "RecallDataModule": "recall_data",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"diffmm.train.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'diffmm.train' has no attribute {name!r}")
+__all__ = ["AtomicCheckpointIO", "BlockFSDPStrategy", "CLIPModule", "ConfigError", "ContrastiveLoss",
+           "ImageTextDataModule", "LMModule", "RecallDataModule", "ResumableLoader", "ShardDataModule",
+           "TextDataModule", "TrainModule", "WarmupCosine", "WarmupCosineLR", "adamw", "param_groups"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 import warnings
 from typing import Any, Optional
 
@@ -14,8 +15,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from diffmm.train.callbacks import NonFiniteGuard
-from diffmm.train.monitor import Throughput, lambda_layers, lambda_values
-from diffmm.train.optim import build_adamw, param_groups, warmup_cosine_scheduler
+from diffmm.train.monitor import lambda_layers, lambda_values
+from diffmm.train.optim import WarmupCosineLR, adamw
 
 _BLOCK_LIST_NAMES = ("blocks", "resblocks", "layers", "h")
 
@@ -58,8 +59,9 @@ def enable_grad_checkpointing(model: nn.Module) -> int:
 class TrainModule(pl.LightningModule):
     """Base LightningModule: AdamW with decay/no-decay groups, per-step warmup + cosine, logging.
 
-    Subclasses set ``self.model`` and implement ``training_step`` etc. with :meth:`run_model`
-    (the compiled model when ``compile=True``) and call :meth:`log_step` from ``training_step``.
+    Subclasses take the arguments below, save them with ``save_hyperparameters`` (read back from ``self.hparams``),
+    attach their network with :meth:`setup_model`, implement ``training_step`` etc. with :meth:`run_model` (the
+    compiled model when ``compile=True``) and call :meth:`log_step` from ``training_step``.
 
     Every run is guarded against a non-finite loss: unless the trainer already has one, a
     :class:`~diffmm.train.callbacks.NonFiniteGuard` (stop on the first NaN/Inf loss) is added.
@@ -78,27 +80,19 @@ class TrainModule(pl.LightningModule):
         log_lambdas: log every differential layer's lambda at each logging step (not under FSDP).
     """
 
-    def __init__(self, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
-                 eps: float, warmup_steps: int, warmup_epochs: Optional[float], total_steps: Optional[int],
-                 grad_checkpointing: bool, compile: bool, log_lambdas: bool) -> None:
-        super().__init__()
-        self.lr, self.min_lr, self.weight_decay = lr, min_lr, weight_decay
-        self.betas, self.eps = tuple(betas), eps
-        self.warmup_steps, self.warmup_epochs, self.total_steps = warmup_steps, warmup_epochs, total_steps
-        self.grad_checkpointing, self.compile_model, self.log_lambdas = grad_checkpointing, compile, log_lambdas
-        self._throughput = Throughput()
-        self._lambda_layers: dict[str, nn.Module] | None = None
-        self._compiled: Any = None
+    _lambda_layers: Optional[dict[str, nn.Module]] = None
+    _compiled: Any = None
+    _window: Optional[list] = None  # throughput: [start time, items counted since]
 
     # ----- model setup --------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> None:
         """Attach ``model`` and apply grad checkpointing (compile happens in :meth:`configure_model`)."""
         self.model = model
-        if self.grad_checkpointing:
+        if self.hparams.grad_checkpointing:
             enable_grad_checkpointing(model)
 
     def configure_model(self) -> None:
-        if self.compile_model and self._compiled is None:
+        if self.hparams.compile and self._compiled is None:
             # stored outside nn.Module's registry: no duplicate `_orig_mod.` keys in checkpoints
             object.__setattr__(self, "_compiled", torch.compile(self.model))
 
@@ -113,12 +107,12 @@ class TrainModule(pl.LightningModule):
         return ()
 
     def _schedule_steps(self) -> tuple[int, int]:
-        trainer = self.trainer
-        total = self.total_steps or int(trainer.estimated_stepping_batches)
+        trainer, hp = self.trainer, self.hparams
+        total = hp.total_steps or int(trainer.estimated_stepping_batches)
         if not math.isfinite(total) or total <= 0:
             raise ValueError("cannot infer the schedule length (infinite data and no max_steps); set model total_steps")
-        warmup = self.warmup_steps
-        if self.warmup_epochs is not None:
+        warmup = hp.warmup_steps
+        if hp.warmup_epochs is not None:
             if trainer.train_dataloader is None:
                 trainer.fit_loop.setup_data()  # what estimated_stepping_batches does when it needs the length
             batches = trainer.num_training_batches
@@ -126,7 +120,7 @@ class TrainModule(pl.LightningModule):
                 raise ValueError("warmup_epochs needs a data length per epoch (sizes.json or samples_per_epoch); "
                                  "use warmup_steps")
             per_epoch = math.ceil(batches / max(1, trainer.accumulate_grad_batches))
-            warmup = int(round(self.warmup_epochs * per_epoch))
+            warmup = int(round(hp.warmup_epochs * per_epoch))
         return min(warmup, total), total
 
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -136,27 +130,26 @@ class TrainModule(pl.LightningModule):
         return [NonFiniteGuard()]
 
     def on_train_start(self) -> None:
-        if self.trainer.is_global_zero:
-            for config in self.trainer.lr_scheduler_configs:
-                describe = getattr(config.scheduler, "describe_restore", None)
-                note = describe() if describe is not None else ""
-                if note:
-                    log.info("%s", note)
+        for config in self.trainer.lr_scheduler_configs:
+            note = config.scheduler.describe_restore() if isinstance(config.scheduler, WarmupCosineLR) else ""
+            if note and self.trainer.is_global_zero:
+                log.info("%s", note)
 
     def configure_optimizers(self) -> dict:
-        groups = param_groups(self.model, self.weight_decay, self.extra_no_decay())
-        opt = build_adamw(groups, self.lr, self.betas, self.eps)
-        warmup, total = self._schedule_steps()
-        sched = warmup_cosine_scheduler(opt, warmup, total, self.lr, self.min_lr)
+        hp = self.hparams
+        opt = adamw(self.model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps, self.extra_no_decay())
+        sched = WarmupCosineLR(opt, *self._schedule_steps(), hp.lr, hp.min_lr)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     # ----- logging ------------------------------------------------------------------------------
     def should_log_now(self) -> bool:
-        """True on the steps where the trainer writes logs (heavier metrics are only computed then)."""
+        """True on the training steps where the trainer writes logs (every ``log_every_n_steps`` optimizer steps
+        and the last one; heavier metrics are only computed then)."""
         try:
-            return bool(self.trainer._logger_connector.should_update_logs)
-        except (AttributeError, RuntimeError, NotImplementedError):  # no trainer attached
+            trainer = self.trainer
+        except RuntimeError:  # no trainer attached
             return False
+        return (trainer.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop
 
     def sharded(self) -> bool:
         """True under FSDP-style strategies (parameters are only whole inside forward/backward)."""
@@ -166,7 +159,7 @@ class TrainModule(pl.LightningModule):
             return False
 
     def on_train_epoch_start(self) -> None:
-        self._throughput = Throughput()
+        self._window = None
 
     def log_step(self, loss: torch.Tensor, items: int, rate_name: str, extra: Optional[dict] = None) -> None:
         """Log the loss, throughput, lambdas and ``extra`` on the trainer's logging steps.
@@ -176,18 +169,24 @@ class TrainModule(pl.LightningModule):
 
         Args:
             items: items this rank processed in this step (samples or tokens); rates are global.
-            rate_name: e.g. ``samples_per_s`` / ``tokens_per_s``.
+            rate_name: e.g. ``samples_per_s`` / ``tokens_per_s``: items per second of wall clock (data loading
+                included) since the previous logging step; the first step of an epoch only starts the clock.
         """
-        self._throughput.add(items)
+        now = time.perf_counter()
+        if self._window is None:
+            self._window = [now, 0]
+        else:
+            self._window[1] += items
         if not self.should_log_now():
             return
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         metrics: dict[str, float] = dict(extra or {})
-        rate = self._throughput.rate()
-        if rate is not None:
+        (start, counted), self._window = self._window, [now, 0]
+        if counted:
+            rate = counted / max(now - start, 1e-9)
             metrics[f"train/{rate_name}"] = rate * self.trainer.world_size
             metrics[f"train/{rate_name}_per_device"] = rate
-        if self.log_lambdas and not self.sharded():  # under FSDP the lambda vectors are sharded views
+        if self.hparams.log_lambdas and not self.sharded():  # under FSDP the lambda vectors are sharded views
             if self._lambda_layers is None:
                 self._lambda_layers = lambda_layers(self.model)
             metrics.update(lambda_values(self._lambda_layers))

@@ -1,5 +1,5 @@
-"""Callbacks the ``diffmm`` CLI always adds: checkpoints that never hold NaN weights, the non-finite-loss
-guard, data counters per epoch, a prediction writer and a progress bar with real step counts."""
+"""Callbacks the ``diffmm`` CLI always adds: checkpoints that extend runs cleanly, the non-finite-loss guard, data
+counters per epoch, a prediction writer and a progress bar with real step counts."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +9,10 @@ from typing import Any, Literal, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint, TQDMProgressBar
 
-from diffmm.train.checkpoint_io import non_finite_keys, remove_stale_temporaries
+from diffmm.hub.checkpoint import atomic_save
+from diffmm.train.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from diffmm.train.errors import TrainingDiverged
 
 log = logging.getLogger("diffmm.train")
@@ -63,7 +64,6 @@ class PredictionWriter(BasePredictionWriter):
     def __init__(self, output_dir: Optional[str] = None) -> None:
         super().__init__(write_interval="epoch")
         self.output_dir = output_dir
-        self.last_path: Optional[str] = None
 
     def write_on_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any],
                            batch_indices: Optional[Sequence[Any]]) -> None:
@@ -74,31 +74,27 @@ class PredictionWriter(BasePredictionWriter):
         for key in preds[0]:
             values = [p[key] for p in preds]
             out[key] = values if key == "similarity" else torch.cat(values)
-        keys = getattr(trainer.datamodule, "predict_keys", None) if trainer.datamodule is not None else None
+        keys = getattr(trainer.datamodule, "predict_keys", None)
         if callable(keys):
             rows = next((v.shape[0] for v in out.values() if torch.is_tensor(v) and v.dim() > 0), None)
             out["keys"] = keys()[:rows]
-        folder = self.output_dir or trainer.log_dir or trainer.default_root_dir
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"predictions_rank{trainer.global_rank}.pt")
-        from diffmm.hub.checkpoint import atomic_save
-
+        path = os.path.join(self.output_dir or trainer.log_dir or trainer.default_root_dir,
+                            f"predictions_rank{trainer.global_rank}.pt")
         atomic_save(out, path)
-        self.last_path = path
         log.info("wrote %s (%s)", path, ", ".join(f"{k}: {tuple(v.shape) if torch.is_tensor(v) else len(v)}"
                                                   for k, v in out.items()))
 
 
 def last_good_checkpoint(trainer: pl.Trainer) -> tuple[Optional[str], Optional[int]]:
-    """``(path, step)`` of the newest checkpoint this run wrote (or resumed from); ``(None, None)`` if none."""
-    best: tuple[Optional[str], Optional[int]] = (None, None)
-    for cb in trainer.checkpoint_callbacks:
-        path, step = getattr(cb, "_last_checkpoint_saved", None), getattr(cb, "_last_global_step_saved", -1)
-        if path and os.path.exists(path) and (best[1] is None or step > best[1]):
-            best = (path, step)
-    if best[0] is None and trainer.ckpt_path and os.path.exists(str(trainer.ckpt_path)):
+    """``(path, step)`` of the newest checkpoint this run wrote (through :class:`AtomicCheckpointIO`), else the one
+    it resumed from (step None); ``(None, None)`` if none. Collective: every rank gets rank 0's answer."""
+    io = trainer.strategy.checkpoint_io
+    saved = io.last_saved if isinstance(io, AtomicCheckpointIO) else None
+    if trainer.world_size > 1:
+        saved = trainer.strategy.broadcast(saved)  # only rank 0 writes
+    if saved is None and trainer.ckpt_path and os.path.exists(str(trainer.ckpt_path)):
         return str(trainer.ckpt_path), None
-    return best
+    return saved or (None, None)
 
 
 class NonFiniteGuard(pl.Callback):
@@ -125,7 +121,7 @@ class NonFiniteGuard(pl.Callback):
         self.action, self.max_skips = action, int(max_skips)
         self.skipped = 0
         self._bad: Optional[torch.Tensor] = None   # any non-finite loss since the last optimizer step (on device)
-        self._loss: Optional[torch.Tensor] = None
+        self._loss: Optional[torch.Tensor] = None  # the first non-finite loss of the step
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach()
@@ -204,146 +200,75 @@ class Checkpoint(ModelCheckpoint):
     """ModelCheckpoint with diffmm's rules.
 
     * ``last.ckpt`` is also refreshed when training ends between two periodic saves.
-    * No checkpoint (periodic, best or last) is written while the weights or the optimizer state hold
-      NaN or Inf: the previous files stay, and none of them is deleted to make room.
+    * No checkpoint is written while the weights or the optimizer state hold NaN or Inf, and none is deleted to
+      make room meanwhile (the rule of :class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`, which the CLI
+      installs); no checkpoint at all after the run diverged (:class:`NonFiniteGuard`).
     * A checkpoint saved after a run stopped mid-epoch records the epoch as unfinished, so extending the
       run (a larger ``max_steps``) continues the same epoch and data position (:func:`mark_epoch_unfinished`).
     * At the start of ``fit``, temporary files a killed save left in the folder are removed.
     """
 
-    _last_step_saved_as_last = -1
-    _finite_at: tuple[int, bool] = (-1, True)
+    saved_at_step = -1  # global step of the newest checkpoint the trainer wrote in this run
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and trainer.is_global_zero:
-            remove_stale_temporaries(str(self.dirpath) if self.dirpath else "")
-            if trainer.default_root_dir and os.path.abspath(trainer.default_root_dir) != os.path.abspath(
-                    str(self.dirpath or "")):
-                remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
-
-    def _state_is_finite(self, trainer: pl.Trainer) -> bool:
-        """Whether weights and optimizer state are finite at this step (cached per step; all ranks agree)."""
-        step, ok = self._finite_at
-        if step == trainer.global_step:
-            return ok
-        module = trainer.lightning_module
-        bad = non_finite_keys(module.named_parameters())
-        if not bad:
-            for i, opt in enumerate(trainer.optimizers):
-                bad = non_finite_keys((f"optimizer {i} {k}", v) for state in opt.state.values()
-                                      for k, v in state.items())
-                if bad:
-                    break
-        ok = trainer.strategy.reduce_boolean_decision(not bad, all=True)
-        if not ok and trainer.is_global_zero:
-            log.warning("step %d: not saving checkpoints, the %s non-finite (%s); the previous checkpoints are "
-                        "kept", trainer.global_step, "weights are" if bad and "optimizer" not in bad[0]
-                        else "training state is", ", ".join(bad) or "on another rank")
-        self._finite_at = (trainer.global_step, ok)
-        return ok
-
-    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
-        if self._state_is_finite(trainer):
-            super()._save_topk_checkpoint(trainer, monitor_candidates)
-
-    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
-        if not self._state_is_finite(trainer):
-            return
-        super()._save_last_checkpoint(trainer, monitor_candidates)
-        if self.save_last:
-            self._last_step_saved_as_last = trainer.global_step
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # (the finiteness check is collective: only reached when a save on exception is configured at all)
-        if (not isinstance(exception, TrainingDiverged) and self._should_save_on_exception(trainer)
-                and self._state_is_finite(trainer)):
-            super().on_exception(trainer, pl_module, exception)
+            remove_stale_temporaries(str(self.dirpath or ""))
+            remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.saved_at_step = trainer.global_step
         mark_epoch_unfinished(trainer, checkpoint)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, TrainingDiverged):
+            super().on_exception(trainer, pl_module, exception)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_last and self._last_step_saved_as_last != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and self.saved_at_step != trainer.global_step:
+            name = f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+            self.last_model_path = self.last_model_path or os.path.join(str(self.dirpath), name)
+            trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
 
 
-class _StepProgress:
-    """Progress-bar fixes for step-limited runs (mixed into Lightning's bars).
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar with real step counts in step-limited runs (``max_steps``).
 
-    * The epoch bar's total is the batches this run will still take in the epoch, counted from where
-      the epoch (or a mid-epoch resume) started, so a resumed or extended run shows e.g. ``4/6``,
-      never ``6/3``.
-    * ``Epoch N`` without Lightning's ``/max_epochs-1`` when the run is step-limited (``max_epochs: -1``
-      showed ``Epoch 1/-2``), and the global ``step S/max_steps`` among the bar's metrics.
+    * The epoch bar's total is the batches this run will still take in the epoch, counted from where the epoch
+      (or a mid-epoch resume) started, so a resumed or extended run shows e.g. ``4/6``, never ``6/3``.
+    * The global ``step S/max_steps`` among the bar's metrics.
     """
 
     _offset, _step0 = 0, 0
 
     def _steps_limited(self) -> bool:
-        t = self.trainer
-        return t.max_steps is not None and t.max_steps > 0
+        return self.trainer.max_steps is not None and self.trainer.max_steps > 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # a mid-epoch resume does not call on_train_epoch_start: start counting from the restored position
+        # a mid-epoch resume does not call on_train_epoch_start: count from the restored position
         self._offset = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
         self._step0 = trainer.global_step
         super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.restarted_mid_epoch:
+            bar = self.train_progress_bar
+            bar.reset(total=self.total_train_batches)
+            bar.initial = bar.n = self._offset
+            bar.set_description(f"Epoch {trainer.current_epoch}")
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._offset, self._step0 = 0, trainer.global_step
-        super().on_train_epoch_start(trainer, pl_module)
+        super().on_train_epoch_start(trainer, *args)
 
     @property
-    def total_train_batches(self):
+    def total_train_batches(self) -> float:
         t = self.trainer
-        n = t.num_training_batches
         if not self._steps_limited():
-            return n
-        return min(n, self._offset + max(0, t.max_steps - self._step0) * t.accumulate_grad_batches)
-
-    def _get_train_description(self, current_epoch: int) -> str:
-        t = self.trainer
-        desc = f"Epoch {current_epoch}"
-        if t.max_epochs is not None and t.max_epochs > 0 and not self._steps_limited():
-            desc += f"/{t.max_epochs - 1}"
-        return desc
+            return t.num_training_batches
+        return min(t.num_training_batches, self._offset + max(0, t.max_steps - self._step0) * t.accumulate_grad_batches)
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         items = super().get_metrics(trainer, pl_module)
         if self._steps_limited():
             items = {"step": f"{trainer.global_step}/{trainer.max_steps}", **items}
         return items
-
-
-class RichStepProgressBar(_StepProgress, RichProgressBar):
-    """Lightning's rich progress bar with real step counts (see :class:`_StepProgress`)."""
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        if self.progress is not None and self.train_progress_bar_id is not None:
-            self.progress.update(self.train_progress_bar_id, description=self._get_train_description(
-                trainer.current_epoch))
-
-
-class TQDMStepProgressBar(_StepProgress, TQDMProgressBar):
-    """Lightning's tqdm progress bar with real step counts (see :class:`_StepProgress`)."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if trainer.fit_loop.restarted_mid_epoch and self.train_progress_bar is not None:
-            bar = self.train_progress_bar
-            bar.reset(total=self.total_train_batches)
-            bar.initial = bar.n = self._offset
-            bar.set_description(self._get_train_description(trainer.current_epoch))
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        self.train_progress_bar.set_description(self._get_train_description(trainer.current_epoch))
-
-
-def default_progress_bar() -> pl.Callback:
-    """The bar Lightning would pick (rich when installed, else tqdm), with :class:`_StepProgress`'s fixes."""
-    from pytorch_lightning.callbacks.progress.rich_progress import _RICH_AVAILABLE
-
-    return RichStepProgressBar() if _RICH_AVAILABLE else TQDMStepProgressBar()

@@ -1,10 +1,10 @@
-"""Checkpoint files of training runs: atomic writes, no non-finite weights, damage checks before resuming.
+"""Checkpoint files of training runs: atomic writes, no non-finite training state, damage checks before resuming.
 
-* :class:`AtomicCheckpointIO` writes through a hidden temporary file and ``os.replace`` (a killed run
-  never leaves a half-written ``last.ckpt``), never writes a checkpoint whose weights hold NaN/Inf, and
-  names the file in one line when a checkpoint cannot be read.
-* :func:`resume_checkpoint` resolves ``--ckpt_path last``: the newest checkpoint that is intact, with a
-  warning naming both files when the newest one is damaged.
+* :class:`AtomicCheckpointIO` writes through a hidden temporary file and ``os.replace`` (a killed run never leaves
+  a half-written ``last.ckpt``), writes no checkpoint whose weights or optimizer state hold NaN/Inf (and deletes no
+  older one meanwhile), and names the file in one line when a checkpoint cannot be read.
+* :func:`resume_checkpoint` resolves ``--ckpt_path last``: the newest checkpoint that is intact, with a warning
+  naming both files when the newest one is damaged.
 * :func:`remove_stale_temporaries` deletes the ``.NAME.tmp-PID`` files a killed save leaves.
 """
 from __future__ import annotations
@@ -14,11 +14,10 @@ import logging
 import os
 import re
 import zipfile
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
-from lightning_fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning_fabric.utilities.types import _PATH
+from fsspec.utils import get_protocol
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from diffmm.hub.checkpoint import DamagedFileError, torch_file_damage
@@ -36,16 +35,24 @@ def non_finite_keys(tensors: Iterable[tuple[str, Any]], limit: int = 3) -> list[
     Uses each tensor's max and min (NaN propagates through both; no tensor-sized temporaries) and one
     device sync per device when everything is finite.
     """
-    items = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     with torch.no_grad():
-        for name, t in items:
-            by_device.setdefault(t.device, []).append((name, torch.stack([t.amax(), t.amin()]).float()))
+        for name, t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                by_device.setdefault(t.device, []).append((name, torch.stack([t.amax(), t.amin()]).float()))
         bad = []
         for group in by_device.values():
             ok = torch.isfinite(torch.stack([e for _, e in group])).all(dim=1).tolist()  # one sync per device
             bad += [name for (name, _), good in zip(group, ok) if not good]
     return bad[:limit]
+
+
+def _training_state(checkpoint: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """``(name, tensor)`` of a Lightning checkpoint's weights, then of its optimizers' state."""
+    yield from (checkpoint.get("state_dict") or {}).items()
+    for i, opt in enumerate(checkpoint.get("optimizer_states") or []):
+        for state in (opt.get("state") or {}).values():
+            yield from ((f"optimizer {i} {k}", v) for k, v in state.items())
 
 
 def _reason(e: BaseException) -> str:
@@ -60,26 +67,40 @@ def _reason(e: BaseException) -> str:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a hidden temporary file in the target folder, ``fsync``, then ``os.replace``.
 
-    The rename is atomic on POSIX file systems, so readers (and ``fit --ckpt_path last`` after a
-    SIGKILL) see either the previous complete file or the new complete file. Remote paths
-    (``s3://``, ...) fall back to Lightning's transactional write.
+    The rename is atomic on POSIX file systems, so readers (and ``fit --ckpt_path last`` after a SIGKILL) see either
+    the previous complete file or the new complete file. Remote paths (``s3://``, ...) use Lightning's write.
 
-    A checkpoint whose ``state_dict`` holds NaN or Inf is not written (a warning names the step and
-    the first such weights): a diverged run never replaces a good checkpoint. Reading a damaged file
-    raises :class:`~diffmm.hub.checkpoint.DamagedFileError` naming it.
+    No checkpoint is written while its weights or optimizer state hold NaN or Inf (a warning names the step and the
+    first such tensors), and until the next checkpoint is written no file is removed (``ModelCheckpoint`` deletes
+    older checkpoints to make room): a diverged run never replaces a good checkpoint. Every save of the trainer goes
+    through here (periodic, best, last, ``hpc_ckpt_*``, ``trainer.save_checkpoint``). Reading a damaged file raises
+    :class:`~diffmm.hub.checkpoint.DamagedFileError` naming it.
+
+    Attributes:
+        last_saved: ``(path, global step)`` of the newest checkpoint this process wrote, or None.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        path = str(path)
-        bad = non_finite_keys((checkpoint.get("state_dict") or {}).items())
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_saved: Optional[tuple[str, Optional[int]]] = None
+        self._refused_step: Optional[int] = None  # step of the last refused save: keep every file meanwhile
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Union[str, os.PathLike],
+                        storage_options: Optional[Any] = None) -> None:
+        path, step = str(path), checkpoint.get("global_step")
+        bad = non_finite_keys(_training_state(checkpoint))
         if bad:
-            log.warning("not writing %s: non-finite weights at step %s (%s); the previous file is kept",
-                        path, checkpoint.get("global_step", "?"), ", ".join(bad))
+            if self._refused_step != step:  # one warning per step (ModelCheckpoint saves 2 files per step)
+                what = "optimizer state is" if bad[0].startswith("optimizer") else "weights are"
+                log.warning("step %s: not saving checkpoints, the %s non-finite (%s); the previous checkpoints are "
+                            "kept", step, what, ", ".join(bad))
+            self._refused_step = step
             return
-        if not _is_local_file_protocol(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
+        self._refused_step = None
+        if get_protocol(path) != "file":
+            super().save_checkpoint(checkpoint, path, storage_options)
+            self.last_saved = (path, step)
+            return
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
@@ -92,18 +113,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        try:  # make the rename itself durable
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+        fd = os.open(folder, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.last_saved = (path, step)
 
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
+    def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        if self._refused_step is None:
+            super().remove_checkpoint(path)
+
+    def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if _is_local_file_protocol(str(path)) and os.path.isfile(path):
+        if get_protocol(str(path)) == "file" and os.path.isfile(path):
             damage = torch_file_damage(path)
             if damage is not None:
                 raise DamagedFileError(f"{path}: {damage}")
@@ -127,8 +150,7 @@ def checkpoint_damage(path: str) -> Optional[str]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any failure here means the file cannot be resumed from
-        text = str(e)
-        if "Unsupported global" in text:  # a real class reference: needs trust, not damaged
+        if "Unsupported global" in str(e):  # a real class reference: needs trust, not damaged
             return None
         return f"cannot be read ({_reason(e)})"
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
@@ -137,26 +159,22 @@ def checkpoint_damage(path: str) -> Optional[str]:
 
 
 def candidate_checkpoints(ckpt_dir: str, root: str) -> list[str]:
-    """``*.ckpt`` files of ``ckpt_dir`` and SLURM's ``root/hpc_ckpt_*.ckpt``, newest first; ``last*.ckpt``
-    and ``hpc_ckpt_*`` before periodic ones written at the same time."""
+    """``*.ckpt`` files of ``ckpt_dir`` and SLURM's ``root/hpc_ckpt_*.ckpt``, newest first; ``last*.ckpt`` and
+    ``hpc_ckpt_*`` before periodic ones written at the same time."""
     found = set(glob.glob(os.path.join(ckpt_dir, "*.ckpt"))) | set(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
 
-    def key(p: str) -> tuple[float, int]:
-        name = os.path.basename(p)
-        return os.path.getmtime(p), int(name.startswith(("last", "hpc_ckpt_")))
+    def key(p: str) -> tuple[float, bool]:
+        return os.path.getmtime(p), os.path.basename(p).startswith(("last", "hpc_ckpt_"))
 
     return sorted((p for p in found if os.path.isfile(p)), key=key, reverse=True)
 
 
-def newest_last(ckpt_dir: str, root: str) -> Optional[str]:
-    """The newest of ``ckpt_dir/last*.ckpt`` and ``root/hpc_ckpt_*.ckpt`` (or None)."""
-    found = glob.glob(os.path.join(ckpt_dir, "last*.ckpt")) + glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt"))
-    return max(found, key=os.path.getmtime) if found else None
-
-
 def resume_checkpoint(ckpt_dir: str, root: str, move_damaged: bool = False) -> Optional[str]:
-    """What ``--ckpt_path last`` resumes from: the newest ``last*.ckpt`` / ``hpc_ckpt_*.ckpt`` if intact, else
-    the newest intact checkpoint of the folder (a warning names both files). ``None`` when there is none at all.
+    """What ``--ckpt_path last`` resumes from: the newest checkpoint of :func:`candidate_checkpoints` that is
+    intact (a warning names the damaged newer ones). ``None`` when there is none at all.
+
+    A job requeued after SLURM's pre-emption signal (which writes an ``hpc_ckpt``) and a job restarted after a crash
+    resume from whichever is more recent.
 
     Args:
         move_damaged: rename the damaged files newer than the one resumed from to ``NAME.damaged`` (kept for
@@ -166,48 +184,43 @@ def resume_checkpoint(ckpt_dir: str, root: str, move_damaged: bool = False) -> O
     Raises:
         ConfigError: checkpoints exist but every one is damaged (the message names each).
     """
-    newest = newest_last(ckpt_dir, root)
-    order = candidate_checkpoints(ckpt_dir, root)
-    if newest is not None:
-        order = [newest] + [p for p in order if p != newest]
     damaged: dict[str, str] = {}
-    for path in order:
+    for path in candidate_checkpoints(ckpt_dir, root):
         why = checkpoint_damage(path)
-        if why is None:
-            if damaged:
-                moved = _move_aside(damaged) if move_damaged else {}
-                log.warning("resume: %s; resuming from %s instead, the newest intact checkpoint",
-                            "; ".join(f"{p} is damaged ({w})" + (f", moved to {moved[p]}" if p in moved else "")
-                                      for p, w in damaged.items()), path)
-            return path
-        damaged[path] = why
-    if not damaged:
+        if why is not None:
+            damaged[path] = why
+            continue
+        if damaged:
+            moved = {p: _move_aside(p) for p in damaged} if move_damaged else {}
+            log.warning("resume: %s; resuming from %s instead, the newest intact checkpoint",
+                        "; ".join(f"{p} is damaged ({w})" + (f", moved to {moved[p]}" if moved.get(p) else "")
+                                  for p, w in damaged.items()), path)
+        return path
+    if damaged:
+        listing = "; ".join(f"{p}: {why}" for p, why in damaged.items())
+        raise ConfigError(f"ckpt_path last: no intact checkpoint to resume from ({listing}); "
+                          f"remove them to start afresh or give --ckpt_path FILE")
+    return None
+
+
+def _move_aside(path: str) -> Optional[str]:
+    """Rename ``path`` to ``path.damaged`` (or ``.damaged-N``); None when it cannot be moved."""
+    target, n = f"{path}.damaged", 1
+    while os.path.exists(target):
+        target, n = f"{path}.damaged-{n}", n + 1
+    try:
+        os.replace(path, target)
+        return target
+    except OSError:  # another process moved it, or a read-only folder: leave it
         return None
-    listing = "; ".join(f"{p}: {why}" for p, why in damaged.items())
-    raise ConfigError(f"ckpt_path last: no intact checkpoint to resume from ({listing}); "
-                      f"remove them to start afresh or give --ckpt_path FILE")
 
 
-def _move_aside(paths: Iterable[str]) -> dict[str, str]:
-    moved = {}
-    for path in paths:
-        target, n = f"{path}.damaged", 1
-        while os.path.exists(target):
-            target, n = f"{path}.damaged-{n}", n + 1
-        try:
-            os.replace(path, target)
-            moved[path] = target
-        except OSError:  # another process moved it, or a read-only folder: leave it
-            pass
-    return moved
-
-
-def is_global_zero_env() -> bool:
-    """Whether this process is global rank 0 according to the launcher's environment (before a trainer exists)."""
-    for var in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
-        if os.environ.get(var) is not None:
-            return os.environ[var] == "0"
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+def check_resume_file(path: str, key: str = "ckpt_path") -> None:
+    """One-line :class:`ConfigError` when an explicitly given local checkpoint is damaged (no fallback)."""
+    damage = checkpoint_damage(path) if os.path.isfile(path) else None
+    if damage is not None:
+        raise ConfigError(f"{key}: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path last "
+                          f"to resume from the newest intact one")
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:
@@ -215,9 +228,9 @@ def remove_stale_temporaries(folder: str) -> list[str]:
 
     Call only while no save of this run can be in progress (before training starts).
     """
-    removed = []
     if not folder or not os.path.isdir(folder):
-        return removed
+        return []
+    removed = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if _TMP_RE.match(name) and os.path.isfile(path):
@@ -230,13 +243,3 @@ def remove_stale_temporaries(folder: str) -> list[str]:
         log.info("removed %d temporary file(s) of an interrupted checkpoint save: %s", len(removed),
                  ", ".join(os.path.basename(p) for p in removed))
     return removed
-
-
-def check_resume_file(path: str, key: str = "ckpt_path") -> None:
-    """One-line :class:`ConfigError` when an explicitly given local checkpoint is damaged (no fallback)."""
-    if not os.path.isfile(path):
-        return
-    damage = checkpoint_damage(path)
-    if damage is not None:
-        raise ConfigError(f"{key}: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path last "
-                          f"to resume from the newest intact one")

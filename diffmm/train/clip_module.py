@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
+from diffmm.hub.factory import apply_swap, create_model
 from diffmm.train.base import TrainModule
 from diffmm.train.losses import ContrastiveLoss
 from diffmm.train.zeroshot_hook import ZeroShotHook
@@ -34,46 +36,9 @@ def resuming_from(ckpt_path: Optional[str]) -> Iterator[None]:
     finally:
         _RESUME_CHECKPOINT = previous
 
+
 #: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
 MAX_LOGIT_SCALE = math.log(100.0)
-
-
-def _image_size(model: nn.Module) -> Optional[int]:
-    visual = getattr(model, "visual", None)
-    size = getattr(visual, "image_size", None)  # open_clip
-    if size is None:
-        size = getattr(getattr(getattr(model, "config", None), "vision_cfg", None), "image_size", None)  # diffmm
-    if size is None:
-        size = getattr(getattr(visual, "patch_embed", None), "image_size", None)
-    if isinstance(size, (tuple, list)):
-        size = size[0]
-    return int(size) if size is not None else None
-
-
-def _context_length(model: nn.Module) -> Optional[int]:
-    n = getattr(model, "context_length", None)
-    if n is None:
-        n = getattr(getattr(model, "text", None), "context_length", None)
-    return int(n) if n is not None else None
-
-
-def _typed(options: Optional[dict]) -> Optional[dict]:
-    """Values of a dict option given on the command line arrive as strings (``--model.init_args.swap.seed 3``):
-    read each string as a YAML scalar, as the same value written in the config file would be."""
-    if not options:
-        return options
-    import yaml
-
-    out = {}
-    for key, value in dict(options).items():
-        if isinstance(value, str):
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                parsed = value
-            value = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
-        out[key] = value
-    return out
 
 
 class CLIPModule(TrainModule):
@@ -96,7 +61,7 @@ class CLIPModule(TrainModule):
         local_loss: compute only this rank's rows of the logit matrix (open_clip ``--local-loss``).
         gather_with_grad: gather features across ranks with gradients (exact combined-batch gradients).
         lr, min_lr, weight_decay, betas, eps, warmup_steps, warmup_epochs, total_steps: optimizer recipe
-            (defaults: DiffCLIP's, SPEC section 3; ``warmup_epochs=1`` there).
+            (defaults: the DiffCLIP recipe, arXiv 2503.06626; ``warmup_epochs=1`` there).
         no_decay: extra parameter-name fragments without weight decay (besides biases, norms, lambdas,
             logit_scale and 1-D parameters), e.g. ``[positional_embedding, pos_embed, cls_token]`` as timm does.
         grad_checkpointing, compile, log_lambdas: see :class:`~diffmm.train.base.TrainModule`.
@@ -106,30 +71,23 @@ class CLIPModule(TrainModule):
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
                  pretrained: Optional[str] = None, model: Optional[nn.Module] = None, *,
-                 swap: Optional[dict] = None, trust_pickle: bool = False,
+                 swap: Optional[dict[str, Any]] = None, trust_pickle: bool = False,
                  local_loss: bool = False, gather_with_grad: bool = True,
                  lr: float = 5e-4, min_lr: float = 1e-5, weight_decay: float = 0.5,
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
                  warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
-                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict] = None) -> None:
-        swap, zeroshot = _typed(swap), _typed(zeroshot)  # before save_hyperparameters: checkpoints keep typed values
-        super().__init__(lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                         warmup_steps=warmup_steps, warmup_epochs=warmup_epochs, total_steps=total_steps,
-                         grad_checkpointing=grad_checkpointing, compile=compile, log_lambdas=log_lambdas)
+                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None) -> None:
+        super().__init__()
         self.save_hyperparameters(ignore=["model"])
         if pretrained and _RESUME_CHECKPOINT and not os.path.exists(os.path.expanduser(pretrained)):
             log.warning("model.pretrained %s is not there; it is not read: the run resumes from %s, which holds "
                         "every weight", pretrained, _RESUME_CHECKPOINT)
             pretrained = None
         if model is None:
-            import diffmm
-
-            model = diffmm.create_model(model_name, pretrained or None, swap=swap, trust_pickle=trust_pickle,
-                                        **dict(model_kwargs or {}))
+            model = create_model(model_name, pretrained or None, swap=swap, trust_pickle=trust_pickle,
+                                 **dict(model_kwargs or {}))
         elif swap:
-            from diffmm.hub.factory import apply_swap
-
             apply_swap(model, swap)
         for attr in ("encode_image", "encode_text", "logit_scale"):
             if not hasattr(model, attr):
@@ -143,48 +101,7 @@ class CLIPModule(TrainModule):
         ``diffmm.load_pretrained`` / ``diffmm eval --model CKPT`` rebuild the model without the training code."""
         config = getattr(self.model, "config", None)
         if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
-            from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
-
             checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
-
-    # ----- what the data module is linked to ----------------------------------------------------
-    @property
-    def image_size(self) -> Optional[int]:
-        """Input resolution of the image tower (linked to the data module)."""
-        return _image_size(self.model)
-
-    @property
-    def context_length(self) -> Optional[int]:
-        """Text context length (linked to the data module)."""
-        return _context_length(self.model)
-
-    @property
-    def tokenizer(self) -> str:
-        """Tokenizer spec of the captions (CLIP BPE)."""
-        return "clip"
-
-    @property
-    def image_mean(self) -> tuple[float, ...]:
-        """Image normalisation mean the model expects (linked to the data module; see
-        :func:`~diffmm.models.clip.preprocess.normalization_of`)."""
-        from diffmm.models.clip.preprocess import normalization_of
-
-        return normalization_of(self.model)[0]
-
-    @property
-    def image_std(self) -> tuple[float, ...]:
-        """Image normalisation std the model expects (linked to the data module)."""
-        from diffmm.models.clip.preprocess import normalization_of
-
-        return normalization_of(self.model)[1]
-
-    @property
-    def truncate(self) -> str:
-        """How captions over the context are cut, ``'eot'`` or ``'cut'`` (linked to the data module; see
-        :func:`~diffmm.models.clip.preprocess.truncate_of`)."""
-        from diffmm.models.clip.preprocess import truncate_of
-
-        return truncate_of(self.model)
 
     def extra_no_decay(self) -> tuple[str, ...]:
         return ("logit_scale", *(self.hparams.get("no_decay") or ()))

@@ -1,51 +1,87 @@
-"""LightningDataModules over ``diffmm.data``: image-text shards (CLIP) and text shards (LMs).
+"""LightningDataModules over ``diffmm.data``: image-text shards (CLIP), text shards (LMs) and generated associative
+recall (MQAR, :mod:`diffmm.data.recall`).
 
-The tokenizer, context length, image size and the model's preprocessing (image mean/std, caption
-truncation) are linked from the model by the CLI (``diffmm.train.cli``), so a config names them once. Training loaders are
-:class:`~diffmm.train.resume.ResumableLoader`\\ s: Lightning saves their position (epoch, batches
-consumed) in every checkpoint through the stateful-dataloader protocol and ``fit --ckpt_path``
-restores it. Shards need no ``sizes.json``: they are counted once and cached
+Each data module follows the model it feeds: in ``setup`` it reads from ``trainer.lightning_module`` what the data
+must match (a CLIP model's preprocessing through :func:`~diffmm.models.clip.preprocess.transforms_for` and
+:func:`~diffmm.models.clip.preprocess.tokenizer_for`; an LM module's ``tokenizer`` and ``context_length``; the
+recall vocabulary), so a config names them once. Such an argument set in the data config to a different value is
+a one-line :class:`~diffmm.train.errors.ConfigError` naming both; without a model (data-only use) the arguments
+and their defaults apply. Shard training loaders are :class:`~diffmm.train.resume.ResumableLoader`\\ s: Lightning
+saves their position (epoch, batches consumed) in every checkpoint through the stateful-dataloader protocol and
+``fit --ckpt_path`` restores it. Shards need no ``sizes.json``: they are counted once and cached
 (:mod:`diffmm.data.sizes`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch
 
+from diffmm.data.decode import MAX_IMAGE_PIXELS
+from diffmm.data.image_text import ImageTextDataset
+from diffmm.data.recall import RecallStream, RecallTask, eval_batches, task_grid
+from diffmm.data.stream import ShardLoader
 from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT
+from diffmm.data.text import TextDataset
+from diffmm.data.tokenizers import load_lm_tokenizer
+from diffmm.data.urls import check_shards_exist, expand_sources
+from diffmm.models.clip.config import OPENAI_MEAN, OPENAI_STD, TRUNCATE_MODES
+from diffmm.models.clip.preprocess import (image_size_of, image_transform, normalization_of, tokenizer_for,
+                                          transforms_for, truncate_of)
+from diffmm.models.clip.tokenizer import CLIPTokenizer
 from diffmm.train.errors import ConfigError
 from diffmm.train.resume import ResumableLoader
 
 log = logging.getLogger("diffmm.train")
 
-STAGES = ("train", "val", "test", "predict")
-#: Pillow's decompression-bomb threshold (``diffmm.data.decode.MAX_IMAGE_PIXELS``), without importing PIL here
-MAX_IMAGE_PIXELS = 89_478_485
-
 
 def check_shard_spec(spec: Optional[str], key: str) -> None:
     """Raise a one-line :class:`ConfigError` naming ``key`` when local shards of ``spec`` are missing."""
-    if not spec:
-        return
-    from diffmm.data.urls import check_shards_exist, expand_sources
+    if spec:
+        try:
+            check_shards_exist([u for s in expand_sources(spec) for u in s.urls])
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{key}: {e}") from None
 
-    try:
-        urls = [u for s in expand_sources(spec) for u in s.urls]
-        check_shards_exist(urls)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"{key}: {e}") from None
+
+def _plain(value: Any) -> Any:
+    """A config value as YAML writes it (tuples as lists), for comparing and showing."""
+    return [float(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def follow_model(data: Any, model_values: dict[str, Any]) -> None:
+    """Set the attributes ``model_values`` names on ``data`` to the model's values (None: keep the data's own).
+
+    Raises:
+        ConfigError: the data config set one of them (``data.given``) to a different value.
+    """
+    for key, value in model_values.items():
+        given, value = _plain(data.given.get(key)), _plain(value)
+        if given is not None and value is not None and given != value:
+            raise ConfigError(f"data.{key} is {given!r} but the model's {key} is {value!r}; data.{key} is "
+                              f"linked from the model: remove it from the data config (or change the model)")
+        if value is not None:
+            setattr(data, key, tuple(value) if isinstance(value, list) else value)
+
+
+def trained_module(data: pl.LightningDataModule) -> Optional[pl.LightningModule]:
+    """The LightningModule the trainer of ``data`` runs (None without a trainer)."""
+    return getattr(data.trainer, "lightning_module", None) if data.trainer is not None else None
 
 
 class ShardDataModule(pl.LightningDataModule):
     """Shared logic of the shard data modules (see subclasses for the arguments)."""
 
+    #: evaluation streams cut equal batch counts per rank even on one device (else only under DDP)
+    equalize_eval = False
+
     def __init__(self, train_shards: Optional[str], val_shards: Optional[str], test_shards: Optional[str],
                  predict_shards: Optional[str], batch_size: int, val_batch_size: Optional[int], num_workers: int,
                  seed: int, resampled: bool, samples_per_epoch: Optional[int], train_weights: Optional[list[float]],
-                 shuffle_buffer: int, val_samples: Optional[int], max_member_bytes: Optional[int] = None,
-                 pipe_timeout: Optional[float] = None) -> None:
+                 shuffle_buffer: int, val_samples: Optional[int], max_member_bytes: Optional[int],
+                 pipe_timeout: Optional[float], stages: Optional[list[Callable]], handler: Optional[Callable]) -> None:
         super().__init__()
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards or val_shards,
                        "predict": predict_shards or val_shards}
@@ -59,76 +95,61 @@ class ShardDataModule(pl.LightningDataModule):
         self.num_workers, self.seed = num_workers, seed
         self.resampled, self.samples_per_epoch, self.train_weights = resampled, samples_per_epoch, train_weights
         self.shuffle_buffer, self.val_samples = shuffle_buffer, val_samples
-        self.read_kwargs: dict[str, Any] = {"max_member_bytes": max_member_bytes, "pipe_timeout": pipe_timeout}
+        #: options of every dataset (``stages`` / ``handler``: webdataset stages on the raw samples, see
+        #: :mod:`diffmm.data.stages`)
+        self.read_kwargs: dict[str, Any] = {"max_member_bytes": max_member_bytes, "pipe_timeout": pipe_timeout,
+                                            "stages": list(stages or ())}
+        if handler is not None:
+            self.read_kwargs["handler"] = handler
         self._loaders: dict[str, ResumableLoader] = {}
         self._restored: Optional[dict] = None
         self._said_fallback: set[str] = set()
 
-    # ----- subclass hooks -----------------------------------------------------------------------
     def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
+        """The dataset of a stage (subclasses)."""
         raise NotImplementedError
 
-    def eval_equalize(self) -> bool:
-        """Whether evaluation streams give every rank the same number of batches.
-
-        On by default under DDP (uneven evaluation batch counts can hang collectives in forward);
-        then the last incomplete global batch is dropped.
-        """
-        return self._world()[1] > 1
-
-    # ----- helpers ------------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
-        if self.trainer is not None:
-            return self.trainer.global_rank, self.trainer.world_size
-        return 0, 1
-
-    def _trainer_epoch(self) -> int:
-        if self.trainer is None:
-            return 0
-        return int(self.trainer.fit_loop.epoch_progress.current.processed)
+        return (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
 
     def _loader(self, stage: str) -> Optional[ResumableLoader]:
-        from diffmm.data.stream import ShardLoader
-
         spec = self.shards[stage]
         if not spec:
             return None
         rank, world = self._world()
-        train = stage == "train"
-        if train:
+        common = dict(rank=rank, world_size=world, name=f"{stage}-data", **self.read_kwargs)
+        if stage == "train":
             ds = self.make_dataset(spec, True, self.batch_size, resampled=self.resampled,
                                    samples_per_epoch=self.samples_per_epoch, weights=self.train_weights,
-                                   shuffle_buffer=self.shuffle_buffer, seed=self.seed, rank=rank, world_size=world,
-                                   name=f"{stage}-data", **self.read_kwargs)
+                                   shuffle_buffer=self.shuffle_buffer, seed=self.seed, **common)
+            epoch = (lambda: int(self.trainer.fit_loop.epoch_progress.current.processed)) if self.trainer else None
+            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
+                                     default_epoch=epoch, position=self._train_position, signature=self._signature)
+            if self._restored is not None:
+                loader.load_state_dict(self._restored)
+                self._restored = None
         else:
-            kwargs: dict[str, Any] = dict(shuffle=False, equalize=self.eval_equalize(), rank=rank, world_size=world,
-                                          name=f"{stage}-data", **self.read_kwargs)
+            # evaluation: every rank the same number of batches under DDP (uneven counts can hang collectives; the
+            # last incomplete global batch is dropped), except predict, which reads every sample and keeps its key
+            equalize = (world > 1 or self.equalize_eval) and stage != "predict"
+            kwargs: dict[str, Any] = dict(shuffle=False, equalize=equalize, **common)
             if self.val_samples is not None:
                 kwargs["samples_per_epoch"] = self.val_samples
-            if stage == "predict":  # predictions carry the sample keys, and every sample is predicted
-                kwargs["equalize"] = False
             ds = self.make_dataset(spec, False, self.val_batch_size, **kwargs)
             ds.with_keys = stage == "predict"
-        if train:
-            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
-                                     default_epoch=self._trainer_epoch, position=self._train_position,
-                                     signature=self._signature)
-        else:
             loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
                                      default_epoch=lambda: 0)
-        if train and self._restored is not None:
-            self._apply_position(loader, self._restored)
-            self._restored = None
         self._loaders[stage] = loader
         return loader
 
-    def _say_fallback(self, stage: str) -> None:
-        """One info line when test/predict read the validation shards because their own are not set."""
-        if stage not in self._said_fallback and not self._own_shards[stage] and self.shards[stage]:
+    def _eval_loader(self, stage: str) -> ResumableLoader:
+        if not self.shards[stage]:
+            raise ConfigError(f"data.{stage}_shards (or data.val_shards) is not set; {stage} needs shards")
+        if stage not in self._said_fallback and not self._own_shards[stage] and self._world()[0] == 0:
             self._said_fallback.add(stage)
-            if self._world()[0] == 0:
-                log.info("%s: data.%s_shards is not set; using the validation shards (data.val_shards: %s)",
-                         stage, stage, self.shards[stage])
+            log.info("%s: data.%s_shards is not set; using the validation shards (data.val_shards: %s)",
+                     stage, stage, self.shards[stage])
+        return self._loader(stage)
 
     def train_dataloader(self):
         if not self.shards["train"]:
@@ -139,16 +160,10 @@ class ShardDataModule(pl.LightningDataModule):
         return self._loader("val") or []
 
     def test_dataloader(self):
-        if not self.shards["test"]:
-            raise ConfigError("data.test_shards (or data.val_shards) is not set; test needs shards")
-        self._say_fallback("test")
-        return self._loader("test")
+        return self._eval_loader("test")
 
     def predict_dataloader(self):
-        if not self.shards["predict"]:
-            raise ConfigError("data.predict_shards (or data.val_shards) is not set; predict needs shards")
-        self._say_fallback("predict")
-        return self._loader("predict")
+        return self._eval_loader("predict")
 
     def predict_keys(self) -> list[str]:
         """Sample keys of the rows ``predict`` has read so far on this rank, in prediction order
@@ -170,25 +185,20 @@ class ShardDataModule(pl.LightningDataModule):
         """``{"epoch", "batches", "epoch_batches"}`` of the training stream from the trainer's progress."""
         loader = self._loaders["train"]
         if self.trainer is None:
-            return {"epoch": loader.epoch, "batches": loader._yielded}
+            return {"epoch": loader.epoch, "batches": loader.yielded}
         done = int(self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         total = self.trainer.num_training_batches
         epoch, batches = (loader.epoch + 1, 0) if done >= total else (loader.epoch, done)
         return {"epoch": epoch, "batches": batches, "epoch_batches": total}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a data position that older checkpoints kept in the data module's own state (newer
-        ones keep it in the training loader's state, see :class:`~diffmm.train.resume.ResumableLoader`)."""
-        if not state or "epoch" not in state:
-            return
-        if "train" in self._loaders:
-            self._loaders["train"].load_state_dict(state)
-        else:
-            self._restored = state
-
-    @staticmethod
-    def _apply_position(loader: ResumableLoader, state: dict) -> None:
-        loader.load_state_dict(state)
+        """Restore a data position that older checkpoints kept in the data module's own state (newer ones keep it
+        in the training loader's state, see :class:`~diffmm.train.resume.ResumableLoader`)."""
+        if state and "epoch" in state:
+            if "train" in self._loaders:
+                self._loaders["train"].load_state_dict(state)
+            else:
+                self._restored = state
 
 
 class ImageTextDataModule(ShardDataModule):
@@ -207,16 +217,12 @@ class ImageTextDataModule(ShardDataModule):
         train_weights: per-source sampling weights (``resampled`` only).
         shuffle_buffer: sample shuffle buffer.
         val_samples: evaluation samples per epoch over all ranks (default: all).
-        image_size, context_length, tokenizer: linked from the model by the CLI (None: 224, 77, ``clip``).
-        image_mean, image_std: image normalisation of every stage (train/val/test/predict); linked from the
-            model by the CLI (its config's ``vision_cfg.image_mean`` / ``image_std``, or an open_clip model's
-            ``preprocess_cfg``); None: OpenAI CLIP's.
-        truncate: how captions over ``context_length`` tokens are cut: ``eot`` (open_clip: end-of-text kept last)
-            or ``cut`` (the official DiffCLIP tokenizer); linked from the model's ``text_cfg.truncate`` by the CLI
-            (None: ``eot``).
-
-    Under the CLI the linked arguments are the model's: a different value set in the data config is an error.
-        crop_scale: RandomResizedCrop area range (DiffCLIP: 0.5-1.0).
+        image_size, context_length, image_mean, image_std, truncate: the preprocessing; a model being trained sets
+            them (its image size and normalisation, its tokenizer's context and truncation, through
+            :func:`~diffmm.models.clip.preprocess.transforms_for` / ``tokenizer_for``): leave them unset. Without a
+            model: 224, 77, OpenAI CLIP's mean/std and ``eot`` (open_clip's truncation; ``cut``: the official
+            DiffCLIP tokenizer's).
+        crop_scale: RandomResizedCrop area range of training (DiffCLIP: 0.5-1.0).
         text_field: caption extension in the shards.
         max_member_bytes: skip samples with a tar member larger than this, without reading it
             (default 64 MiB; ``null``: no cap).
@@ -224,6 +230,9 @@ class ImageTextDataModule(ShardDataModule):
             decompression-bomb threshold, 89,478,485; ``null``: no cap).
         pipe_timeout: seconds a ``pipe:`` shard command may send nothing before it is killed and
             the shard counted as failed (default 120; ``null``: wait forever).
+        stages: webdataset pipeline stages run on every raw sample before decoding (``wds.select(...)``,
+            ``wds.map(...)`` or a generator function; :mod:`diffmm.data.stages`).
+        handler: webdataset exception handler of the stages (e.g. ``webdataset.warn_and_continue``; default: raise).
     """
 
     def __init__(self, train_shards: Optional[str] = None, val_shards: Optional[str] = None,
@@ -231,54 +240,49 @@ class ImageTextDataModule(ShardDataModule):
                  val_batch_size: Optional[int] = None, num_workers: int = 2, seed: int = 0, resampled: bool = False,
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
                  shuffle_buffer: int = 1000, val_samples: Optional[int] = None, image_size: Optional[int] = None,
-                 context_length: Optional[int] = None, tokenizer: Optional[str] = None,
-                 image_mean: Optional[tuple[float, float, float]] = None,
+                 context_length: Optional[int] = None, image_mean: Optional[tuple[float, float, float]] = None,
                  image_std: Optional[tuple[float, float, float]] = None, truncate: Optional[str] = None,
                  crop_scale: tuple[float, float] = (0.5, 1.0), text_field: str = "txt",
                  max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, max_image_pixels: Optional[int] = MAX_IMAGE_PIXELS,
-                 pipe_timeout: Optional[float] = PIPE_TIMEOUT) -> None:
+                 pipe_timeout: Optional[float] = PIPE_TIMEOUT, stages: Optional[list[Callable]] = None,
+                 handler: Optional[Callable] = None) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
                          num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,
-                         max_member_bytes, pipe_timeout)
-        self.max_image_pixels = max_image_pixels
-        if tokenizer not in (None, "clip", "clip-bpe"):
-            raise ConfigError(f"data.tokenizer {tokenizer!r}: image-text training uses the CLIP BPE ('clip')")
-        from diffmm.models.clip.config import OPENAI_MEAN, OPENAI_STD, TRUNCATE_MODES
-
-        self.image_size, self.context_length = image_size or 224, context_length or 77
-        self.image_mean = _normalisation(image_mean, OPENAI_MEAN, "data.image_mean")
-        self.image_std = _normalisation(image_std, OPENAI_STD, "data.image_std")
-        if any(s <= 0 for s in self.image_std):
-            raise ConfigError(f"data.image_std must be positive, got {list(self.image_std)}")
+                         max_member_bytes, pipe_timeout, stages, handler)
+        for key, value in (("image_mean", image_mean), ("image_std", image_std)):
+            if value is not None and (len(value) != 3 or (key == "image_std" and min(value) <= 0)):
+                raise ConfigError(f"data.{key} must be 3 {'positive ' if key == 'image_std' else ''}numbers "
+                                  f"(one per RGB channel), got {list(value)}")
         if truncate not in (None, *TRUNCATE_MODES):
             raise ConfigError(f"data.truncate {truncate!r}; expected one of {', '.join(TRUNCATE_MODES)}")
-        self.truncate = truncate or "eot"
-        self.crop_scale, self.text_field = tuple(crop_scale), text_field
+        #: the preprocessing arguments the config set (a model being trained must agree with them)
+        self.given = dict(image_size=image_size, context_length=context_length, image_mean=image_mean,
+                          image_std=image_std, truncate=truncate)
+        self.image_size, self.context_length, self.truncate = image_size or 224, context_length or 77, truncate or "eot"
+        self.image_mean = tuple(float(v) for v in image_mean or OPENAI_MEAN)
+        self.image_std = tuple(float(v) for v in image_std or OPENAI_STD)
+        self.crop_scale, self.text_field, self.max_image_pixels = tuple(crop_scale), text_field, max_image_pixels
+        self.model: Optional[torch.nn.Module] = None
 
-    def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
-        from diffmm.data.image_text import ImageTextDataset
-        from diffmm.data.transforms import image_transform
-        from diffmm.models.clip.tokenizer import CLIPTokenizer
+    def setup(self, stage: str) -> None:
+        model = getattr(trained_module(self), "model", None)
+        if model is None or not hasattr(model, "encode_image"):
+            return
+        mean, std = normalization_of(model)
+        follow_model(self, dict(image_size=image_size_of(model), context_length=tokenizer_for(model).context_length,
+                                image_mean=mean, image_std=std, truncate=truncate_of(model)))
+        self.model = model
 
-        transform = image_transform(self.image_size, train=train, scale=self.crop_scale, mean=self.image_mean,
-                                    std=self.image_std)
-        tokenizer = CLIPTokenizer(self.context_length, self.truncate)
+    def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any) -> ImageTextDataset:
+        if self.model is not None:  # the model's own preprocessing (open_clip-built models keep open_clip's)
+            transform = transforms_for(self.model, scale=self.crop_scale)[0 if train else 1]
+            tokenizer = tokenizer_for(self.model)
+        else:
+            transform = image_transform(self.image_size, train, self.crop_scale, self.image_mean, self.image_std)
+            tokenizer = CLIPTokenizer(self.context_length, self.truncate)
         return ImageTextDataset(urls, batch_size, transform=transform, tokenizer=tokenizer,
                                 context_length=self.context_length, train=train, text_field=self.text_field,
                                 max_image_pixels=self.max_image_pixels, **kwargs)
-
-
-def _normalisation(value: Optional[tuple], default: tuple, key: str) -> tuple[float, ...]:
-    """``value`` (or ``default`` when None) as a tuple of 3 floats; a one-line ConfigError naming ``key`` otherwise."""
-    if value is None:
-        return tuple(default)
-    try:
-        out = tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        out = ()
-    if len(out) != 3:
-        raise ConfigError(f"{key} must be 3 numbers (one per RGB channel), got {value!r}")
-    return out
 
 
 class TextDataModule(ShardDataModule):
@@ -288,13 +292,15 @@ class TextDataModule(ShardDataModule):
         train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size, num_workers, seed,
             resampled, samples_per_epoch (rows), train_weights, shuffle_buffer (documents), val_samples
             (rows): as in :class:`ImageTextDataModule`.
-        context_length: model sequence length (linked from the model; None: 128).
-        tokenizer: ``clip`` or a ``tokenizer.json`` path (linked from the model; None: ``clip``).
+        context_length: sequence length; an LM module being trained sets it (None: 128).
+        tokenizer: ``clip`` or a ``tokenizer.json`` path; an LM module being trained sets it (None: ``clip``).
         text_field: document extension in the shards.
-        max_member_bytes, pipe_timeout: as in :class:`ImageTextDataModule`.
+        max_member_bytes, pipe_timeout, stages, handler: as in :class:`ImageTextDataModule`.
 
     Evaluation streams always cut an equal number of rows per rank (from ``tokens.json``).
     """
+
+    equalize_eval = True
 
     def __init__(self, train_shards: Optional[str] = None, val_shards: Optional[str] = None,
                  test_shards: Optional[str] = None, predict_shards: Optional[str] = None, batch_size: int = 8,
@@ -302,32 +308,137 @@ class TextDataModule(ShardDataModule):
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
                  shuffle_buffer: int = 100, val_samples: Optional[int] = None, context_length: Optional[int] = None,
                  tokenizer: Optional[str] = None, text_field: str = "txt",
-                 max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, pipe_timeout: Optional[float] = PIPE_TIMEOUT) -> None:
+                 max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, pipe_timeout: Optional[float] = PIPE_TIMEOUT,
+                 stages: Optional[list[Callable]] = None, handler: Optional[Callable] = None) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
                          num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,
-                         max_member_bytes, pipe_timeout)
-        self.context_length = context_length or 128
-        self.tokenizer_spec = tokenizer or "clip"
-        self.text_field = text_field
-        self._tokenizer = None
+                         max_member_bytes, pipe_timeout, stages, handler)
+        self.given = dict(context_length=context_length, tokenizer=tokenizer)
+        self.context_length, self.tokenizer, self.text_field = context_length or 128, tokenizer or "clip", text_field
 
-    @property
-    def tokenizer(self):
-        """The loaded LM tokenizer."""
-        if self._tokenizer is None:
-            from diffmm.data.tokenizers import load_lm_tokenizer
+    def setup(self, stage: str) -> None:
+        module = trained_module(self)
+        follow_model(self, {k: getattr(module, k, None) for k in ("context_length", "tokenizer")})
 
-            try:
-                self._tokenizer = load_lm_tokenizer(self.tokenizer_spec)
-            except (FileNotFoundError, ValueError) as e:
-                raise ConfigError(f"data.tokenizer: {e}") from None
-        return self._tokenizer
-
-    def eval_equalize(self) -> bool:
-        return True
-
-    def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
-        from diffmm.data.text import TextDataset
-
-        return TextDataset(urls, batch_size, self.context_length, tokenizer=self.tokenizer, train=train,
+    def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any) -> TextDataset:
+        try:
+            tokenizer = load_lm_tokenizer(self.tokenizer)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+        return TextDataset(urls, batch_size, self.context_length, tokenizer=tokenizer, train=train,
                            text_field=self.text_field, **kwargs)
+
+
+class RecallDataModule(pl.LightningDataModule):
+    """Generated multi-query associative recall (MQAR) batches ``(inputs, targets)`` (B, T): targets are -100
+    except at the answers, so :class:`~diffmm.train.lm_module.LMModule` scores the answers only. No files: every
+    batch is rebuilt from its seed (:mod:`diffmm.data.recall`).
+
+        data:
+          class_path: diffmm.train.RecallDataModule
+          init_args: {seq_lens: [64, 128], num_pairs: [4, 8, 16], noise: 1.0, batch_size: 32}
+
+    Training batches mix the settings of the grid ``seq_lens x num_pairs`` (those that do not fit are left out);
+    validation uses a fixed set of ``val_examples`` sequences per setting, from a stream disjoint from training.
+    The training position (batches consumed) is saved in checkpoints, so ``fit --ckpt_path`` resumes with the
+    very next batch.
+
+    Args:
+        vocab_size: task vocabulary; default (None) the model's ``vocab_size``.
+        seq_lens, num_pairs: the training grid.
+        noise: distractor level (probability of a random key/value token on a filler position).
+        num_queries: queries per sequence (capped at the pairs); None = every pair.
+        query_power: query-offset law exponent (Zoology 0.01; 1 = uniform).
+        val_seq_lens, val_num_pairs: validation grid (default the training grid).
+        val_examples: validation sequences per setting.
+        batch_size, val_batch_size: sequences per batch.
+        batch_tokens: when set, training batches hold ``batch_tokens // seq_len`` sequences of their setting
+            (the same tokens per step for every length) instead of ``batch_size``.
+        num_workers: DataLoader workers (generation is cheap: 0 runs it in the training process).
+        seed: data seed (training stream and validation set).
+        context_length: the longest sequence must fit it; an LM module being trained sets it.
+    """
+
+    def __init__(self, vocab_size: Optional[int] = None, seq_lens: list[int] = (64, 128),
+                 num_pairs: list[int] = (4, 8, 16), noise: float = 1.0, num_queries: Optional[int] = None,
+                 query_power: float = 0.01, val_seq_lens: Optional[list[int]] = None,
+                 val_num_pairs: Optional[list[int]] = None, val_examples: int = 256, batch_size: int = 32,
+                 val_batch_size: Optional[int] = None, batch_tokens: Optional[int] = None, num_workers: int = 0,
+                 seed: int = 0, context_length: Optional[int] = None) -> None:
+        super().__init__()
+        if min(batch_size, val_batch_size or 1, batch_tokens or 1) < 1 or val_examples < 0:
+            raise ConfigError(f"data: batch_size, val_batch_size and batch_tokens must be >= 1 and val_examples >= 0, "
+                              f"got {batch_size}, {val_batch_size}, {batch_tokens}, {val_examples}")
+        self.grid = dict(seq_lens=list(seq_lens), num_pairs=list(num_pairs), noise=float(noise),
+                         num_queries=num_queries, query_power=float(query_power))
+        self.val_grid = dict(self.grid, seq_lens=list(val_seq_lens or seq_lens), num_pairs=list(val_num_pairs or num_pairs))
+        self.val_examples, self.batch_size, self.val_batch_size = val_examples, batch_size, val_batch_size or batch_size
+        self.batch_tokens, self.num_workers, self.seed = batch_tokens, num_workers, seed
+        self.given = {"context_length": context_length}
+        self.vocab_size, self.context_length = vocab_size, context_length
+        self.train_tasks: list[RecallTask] = []
+        self.val_tasks: list[RecallTask] = []
+        self._start = 0  # training batches of this rank already consumed (restored from a checkpoint)
+        if vocab_size is not None:
+            self._build()
+
+    def _build(self) -> None:
+        self.train_tasks = self._grid(self.grid, "data")
+        self.val_tasks = self._grid(self.val_grid, "data.val") if self.val_examples else []
+        longest = max(t.seq_len for t in self.train_tasks + self.val_tasks)
+        if self.context_length is not None and longest > self.context_length:
+            raise ConfigError(f"data: sequences of {longest} tokens exceed the model's context_length "
+                              f"{self.context_length} (raise model block_size)")
+
+    def _grid(self, grid: dict, what: str) -> list[RecallTask]:
+        try:
+            tasks, skipped = task_grid(self.vocab_size, **grid)
+        except ValueError as e:
+            raise ConfigError(f"{what}: {e}") from None
+        if skipped:
+            log.info("%s: left out %d setting(s) that do not fit: %s", what, len(skipped), ", ".join(skipped))
+        return tasks
+
+    def setup(self, stage: str) -> None:
+        module = trained_module(self)
+        follow_model(self, {"context_length": getattr(module, "context_length", None)})
+        model_vocab = getattr(getattr(getattr(module, "model", None), "config", None), "vocab_size", None)
+        if self.vocab_size is None and model_vocab is None:
+            raise ConfigError("data.vocab_size is not set and the model has no config.vocab_size")
+        if self.vocab_size is not None and model_vocab is not None and self.vocab_size > model_vocab:
+            raise ConfigError(f"data.vocab_size {self.vocab_size} exceeds the model's vocab_size {model_vocab}")
+        self.vocab_size = self.vocab_size or model_vocab
+        self._build()
+
+    def _world(self) -> tuple[int, int]:
+        return (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        rank, world = self._world()
+        ds = RecallStream(self.train_tasks, self.batch_size, seed=self.seed, rank=rank, world_size=world,
+                          start=self._start, batch_tokens=self.batch_tokens)
+        self._start = 0
+        return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        rank, world = self._world()
+        batches = [(b.inputs, b.targets) for t in self.val_tasks
+                   for b in eval_batches(t, self.val_examples, self.val_batch_size, self.seed)]
+        return torch.utils.data.DataLoader(batches[rank::world], batch_size=None)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.trainer is None:
+            return {}
+        done = int(self.trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+        return {"batches": done, "seed": self.seed, "batch_size": self.batch_size, "batch_tokens": self.batch_tokens,
+                "tasks": [t.name for t in self.train_tasks]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, now in (("seed", self.seed), ("batch_size", self.batch_size), ("batch_tokens", self.batch_tokens),
+                         ("tasks", [t.name for t in self.train_tasks] or state.get("tasks"))):
+            if key in state and state[key] != now:
+                log.warning("resume: data.%s changed since the checkpoint (%s -> %s); the batches differ from "
+                            "the uninterrupted run", key, state[key], now)
+        self._start = int(state.get("batches", 0))

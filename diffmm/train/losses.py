@@ -19,6 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+#: targets with this value are not scored (torch's ``cross_entropy`` convention, which ``diffmm.data.recall`` follows)
+IGNORE_INDEX = -100
+
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in fp32, or fp64 when it already is."""
@@ -121,6 +124,6 @@ class ContrastiveLoss(nn.Module):
         return 0.5 * (F.cross_entropy(_fp32(logits_per_image), labels) + F.cross_entropy(_fp32(logits_per_text), labels))
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross entropy of ``logits (B, N, V)`` against ``targets (B, N)``, in fp32."""
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean cross entropy of ``logits (B, N, V)`` against ``targets (B, N)`` (``ignore_index`` not scored), in fp32."""
     return F.cross_entropy(_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)

@@ -30,6 +30,7 @@ import torch
 from diffmm.data.dist import worker_seed
 
 log = logging.getLogger("diffmm.train")
+_END = object()
 
 
 class ResumableLoader:
@@ -57,9 +58,8 @@ class ResumableLoader:
         self.default_epoch = default_epoch
         self.position, self.signature = position, signature
         self.epoch: int = -1          # epoch of the current / last iteration
-        self._yielded = 0             # batches yielded (after the replay) in the current epoch
+        self.yielded = 0              # batches yielded (the replay included) in the current epoch
         self._pending: Optional[tuple[int, int]] = None  # (epoch, batches to skip) restored from a checkpoint
-        self.skipped_on_resume = 0
         #: sample keys of the rows yielded this epoch, when the dataset emits ``(batch, keys)`` (``with_keys``)
         self.keys: list[str] = []
 
@@ -73,7 +73,7 @@ class ResumableLoader:
         elif self.position is not None:
             pos = self.position()
         else:
-            pos = {"epoch": self.epoch, "batches": self._yielded}
+            pos = {"epoch": self.epoch, "batches": self.yielded}
         return {**pos, **(self.signature() if self.signature else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -105,45 +105,32 @@ class ResumableLoader:
         # iterator before it restores the checkpoint (FSDP restores after setup).
         return self._iterate()
 
-    def _start(self) -> tuple[int, int]:
+    def _iterate(self) -> Iterator[Any]:
         if self._pending is not None:
             (epoch, skip), self._pending = self._pending, None
         else:
-            epoch = self.default_epoch() if self.default_epoch is not None else self.epoch + 1
-            skip = 0
-        self.epoch = epoch
-        self._yielded = skip
-        return epoch, skip
-
-    def _iterate(self) -> Iterator[Any]:
-        epoch, skip = self._start()
+            epoch, skip = self.default_epoch() if self.default_epoch is not None else self.epoch + 1, 0
+        self.epoch, self.yielded = epoch, skip
         aug_seed = worker_seed(self.seed, epoch, self.rank, 0x5EED)
         in_process = getattr(self.loader, "num_workers", 0) == 0
         if not in_process:
             # the DataLoader draws the workers' base seed from this generator at iter() time
             self.loader.generator = torch.Generator().manual_seed(aug_seed)
-        rng_state = torch.Generator().manual_seed(aug_seed).get_state() if in_process else None
+        rng_state = torch.Generator().manual_seed(aug_seed).get_state()
         self.loader.set_epoch(epoch)
         keyed = bool(getattr(self.dataset, "with_keys", False))
         self.keys = []
         it = iter(self.loader)
         n = 0
         while True:
-            if in_process:  # augmentations run here: give them their own, epoch-seeded RNG stream
-                outer = torch.get_rng_state()
-                torch.set_rng_state(rng_state)
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                finally:
-                    rng_state = torch.get_rng_state()
-                    torch.set_rng_state(outer)
-            else:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
+            # in-process augmentations get their own, epoch-seeded RNG stream (the caller's is left as it was)
+            with torch.random.fork_rng(devices=[], enabled=in_process):
+                if in_process:
+                    torch.set_rng_state(rng_state)
+                batch = next(it, _END)
+                rng_state = torch.get_rng_state()
+            if batch is _END:
+                break
             n += 1
             if keyed:
                 batch, keys = batch
@@ -152,9 +139,8 @@ class ResumableLoader:
             if keyed:
                 self.keys.extend(keys)
             if n == skip + 1 and skip:
-                self.skipped_on_resume = skip
                 log.info("resumed data at epoch %d after %d batches (replayed and dropped)", epoch, skip)
-            self._yielded = n
+            self.yielded = n
             yield batch
         if n < skip:  # only when the data changed between save and resume
             warnings.warn(f"resume: epoch {epoch} has {n} batches, fewer than the {skip} already consumed", stacklevel=2)

@@ -1,26 +1,19 @@
-"""Optional zero-shot classification during training, through ``diffmm.eval.zeroshot``.
-
-When that module is not importable, the hook warns once and does nothing (training goes on).
-"""
+"""Optional zero-shot classification during training, through ``diffmm.eval.zeroshot`` (what ``diffmm eval
+zeroshot`` runs)."""
 from __future__ import annotations
 
-import importlib.util
 import logging
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from diffmm.eval.classnames import get_classnames
+from diffmm.eval.image_sources import open_image_source
+from diffmm.eval.zeroshot import zero_shot
+from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
+
 log = logging.getLogger("diffmm.train")
-
-
-def zeroshot_available() -> bool:
-    """True when ``diffmm.eval.zeroshot`` can be imported."""
-    try:
-        return importlib.util.find_spec("diffmm.eval.zeroshot") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 class ZeroShotHook:
@@ -44,7 +37,6 @@ class ZeroShotHook:
         self.dataset, self.classnames, self.templates = dataset, classnames, templates
         self.every_n_epochs, self.batch_size, self.num_workers = max(1, every_n_epochs), batch_size, num_workers
         self.max_batches, self.label_field, self.split = max_batches, label_field, split
-        self._warned = False
 
     def run(self, model: nn.Module, *, epoch: int, device: torch.device, context_length: Optional[int] = None,
             rank: int = 0) -> dict[str, float]:
@@ -54,18 +46,6 @@ class ZeroShotHook:
         ``context_length`` overrides the model's text context."""
         if rank != 0 or (epoch + 1) % self.every_n_epochs:
             return {}
-        if not zeroshot_available():
-            if not self._warned:
-                warnings.warn("zeroshot validation requested but diffmm.eval.zeroshot is not available; skipping it",
-                              stacklevel=2)
-                self._warned = True
-            return {}
-        from diffmm.eval.classnames import get_classnames
-        from diffmm.eval.image_sources import open_image_source
-        from diffmm.eval.zeroshot import zero_shot
-        from diffmm.models.clip.preprocess import tokenizer_for
-        from diffmm.models.clip.preprocess import transforms_for
-
         names = get_classnames(self.classnames)
         _, transform = transforms_for(model)
         source = open_image_source(self.dataset, transform, classnames=names, label_field=self.label_field,

@@ -116,15 +116,15 @@ def test_stream_batches_do_not_depend_on_start_rank_or_workers():
         return [next(it) for _ in range(n)]
 
     full = take(RecallStream(tasks, 4, seed=7), 6)
-    assert {b["inputs"].shape[1] for b in full} == {32, 64}  # both settings are mixed
+    assert {b[0].shape[1] for b in full} == {32, 64}  # both settings are mixed
     later = take(RecallStream(tasks, 4, seed=7, start=3), 3)
-    assert all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(full[3:], later))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[3:], later))
     rank1 = take(RecallStream(tasks, 4, seed=7, rank=1, world_size=2), 3)
-    assert all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(full[1::2], rank1))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[1::2], rank1))
     loader = torch.utils.data.DataLoader(RecallStream(tasks, 4, seed=7), batch_size=None, num_workers=2)
-    assert all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(full, take(loader, 6)))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full, take(loader, 6)))
     sized = take(RecallStream(tasks, 4, seed=7, batch_tokens=256), 6)
-    assert all(b["inputs"].shape[0] == 256 // b["inputs"].shape[1] for b in sized)
+    assert all(b[0].shape[0] == 256 // b[0].shape[1] for b in sized)
     with pytest.raises(ValueError, match="weights"):
         RecallStream(tasks, 4, weights=[1.0])
 

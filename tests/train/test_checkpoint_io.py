@@ -33,18 +33,18 @@ def test_interrupted_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_ckpt_path_last_picks_newest_of_last_and_slurm_hpc(tmp_path):
-    from jsonargparse import Namespace
+    from diffmm.train.checkpoint_io import candidate_checkpoints
 
-    from diffmm.train.cli import newest_checkpoint
-
-    cfg = Namespace(trainer=Namespace(default_root_dir=str(tmp_path)), checkpoint=Namespace(dirpath=None))
-    assert newest_checkpoint(cfg) is None
+    ckpt_dir = str(tmp_path / "checkpoints")
+    assert candidate_checkpoints(ckpt_dir, str(tmp_path)) == []
     (tmp_path / "checkpoints").mkdir()
     last, hpc = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "hpc_ckpt_3.ckpt"
-    last.write_bytes(b"x")
-    hpc.write_bytes(b"x")
+    periodic = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
+    for path in (last, hpc, periodic):
+        path.write_bytes(b"x")
     os.utime(last, (1000, 1000))
+    os.utime(periodic, (1000, 1000))
     os.utime(hpc, (2000, 2000))
-    assert newest_checkpoint(cfg) == str(hpc)
+    assert candidate_checkpoints(ckpt_dir, str(tmp_path)) == [str(hpc), str(last), str(periodic)]
     os.utime(last, (3000, 3000))
-    assert newest_checkpoint(cfg) == str(last)
+    assert candidate_checkpoints(ckpt_dir, str(tmp_path))[0] == str(last)

@@ -123,3 +123,26 @@ def test_test_and_predict_fall_back_to_val_shards_and_predictions_carry_keys(tmp
     pred = torch.load(tmp_path / "pred" / "predictions_rank0.pt", weights_only=True)
     assert pred["mean"].shape == (16,)
     assert pred["keys"] == [f"{i:05d}" for i in range(16)]   # in shard order, one per row
+
+
+def _even_key(sample: dict) -> bool:
+    return int(sample["__key__"]) % 2 == 0
+
+
+def _fails_on_four(sample: dict) -> dict:
+    if sample["__key__"] == "00004":
+        raise ValueError("no fours")
+    return sample
+
+
+def test_webdataset_stages_and_handler_reach_the_datasets(image_text_data):
+    """``stages`` / ``handler`` of the data module run on the raw samples of every stage's dataset."""
+    import webdataset as wds
+
+    _, val = image_text_data
+    dm = _dm(None, val, stages=[wds.select(_even_key), wds.map(_fails_on_four)], handler=wds.ignore_and_continue)
+    loader = dm.predict_dataloader()
+    rows = sum(len(images) for images, _ in loader)
+    assert rows == 7 and dm.predict_keys() == [f"{i:05d}" for i in range(0, 16, 2) if i != 4]
+    counts = dm.data_stats("predict").snapshot()
+    assert (counts["skip_filtered"], counts["skip_stage_error"]) == (8, 1)

@@ -28,7 +28,8 @@ def test_two_process_ddp_fit(tmp_path, image_text_data):
     assert out.returncode == 0, out.stderr[-4000:]
     assert "distributed_backend=gloo" in out.stderr + out.stdout and "All distributed processes registered" in out.stderr + out.stdout
     state = torch.load(os.path.join(root, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=False)
-    assert state["global_step"] == 4 and state["ImageTextDataModule"]["world_size"] == 2
+    [position] = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # the training loader's data position
+    assert state["global_step"] == 4 and position["world_size"] == 2
     rows = read_metrics(root)
     assert len(series(rows, "train/loss")) == 4 and series(rows, "val/loss")
     # global throughput = 2 x per-device throughput

@@ -114,20 +114,26 @@ def test_nan_weights_are_never_written(tmp_path, capsys, caplog, image_text_data
     ckpts = _checkpoints(root)
     assert ckpts["last.ckpt"]["global_step"] == 2 and all(_finite(c) for c in ckpts.values())
     assert max(c["global_step"] for c in ckpts.values()) == 2
-    assert "step 3: not saving checkpoints, the weights are non-finite" in caplog.text
+    assert caplog.text.count("step 3: not saving checkpoints, the weights are non-finite") == 1
     assert f"last good checkpoint: {os.path.join(root, 'checkpoints')}" in capsys.readouterr().err
 
 
-def test_checkpoint_io_never_writes_non_finite_weights(tmp_path, caplog):
-    path = tmp_path / "last.ckpt"
+def test_checkpoint_io_never_writes_non_finite_state_nor_removes_meanwhile(tmp_path, caplog):
+    path, old = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=1.ckpt"
     io = AtomicCheckpointIO()
     io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, path)
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, old)
+    adam = [{"state": {0: {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.tensor([0.0, float("nan"), 0.0])}}}]
     with caplog.at_level(logging.WARNING, logger="diffmm.train"):
         io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.tensor([1.0, float("inf"), 0.0])}}, path)
-        io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(3)}}, tmp_path / "new.ckpt")
-    assert torch.load(path, weights_only=True)["global_step"] == 1
-    assert f"not writing {path}: non-finite weights at step 2 (w)" in caplog.text
-    assert (tmp_path / "new.ckpt").exists()
+        io.remove_checkpoint(old)  # what ModelCheckpoint does to make room: refused while the state is non-finite
+        io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(3)}, "optimizer_states": adam}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1 and old.exists() and io.last_saved == (str(old), 1)
+    assert "step 2: not saving checkpoints, the weights are non-finite (w)" in caplog.text
+    assert "step 3: not saving checkpoints, the optimizer state is non-finite (optimizer 0 exp_avg_sq)" in caplog.text
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.ones(3)}}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(old)
+    assert (tmp_path / "new.ckpt").exists() and not old.exists() and io.last_saved == (str(tmp_path / "new.ckpt"), 4)
 
 
 def test_guard_options_are_checked():

@@ -8,8 +8,15 @@ import torch
 import torch.nn as nn
 
 from diffmm.nn import RMSNorm
-from diffmm.train.optim import WarmupCosine, build_adamw, decay_split, param_groups, warmup_cosine_scheduler
+from diffmm.train.optim import WarmupCosine, WarmupCosineLR, adamw, param_groups
 from train_helpers import TinyCLIP
+
+
+def decay_split(model: nn.Module, no_decay=()) -> tuple[list[str], list[str]]:
+    """Names of the parameters of param_groups' (decay, no_decay) groups."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["name"]: [names[id(p)] for p in g["params"]] for g in param_groups(model, 0.1, no_decay)}
+    return groups.get("decay", []), groups.get("no_decay", [])
 
 
 def test_decay_split_on_clip_standin():
@@ -42,8 +49,7 @@ def test_norm_weights_without_decay_even_if_2d():
 
 def test_param_groups_feed_adamw():
     model = TinyCLIP()
-    groups = param_groups(model, 0.5)
-    opt = build_adamw(groups, 1e-3, (0.9, 0.98), 1e-8)
+    opt = adamw(model, 1e-3, 0.5, (0.9, 0.98), 1e-8)
     wd = {g["name"]: g["weight_decay"] for g in opt.param_groups}
     assert wd == {"decay": 0.5, "no_decay": 0.0}
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
@@ -62,7 +68,7 @@ def test_warmup_cosine_values():
 def test_scheduler_reaches_min_lr_and_restores():
     p = nn.Parameter(torch.zeros(2, 2))
     opt = torch.optim.AdamW([p], lr=5e-4)
-    sched = warmup_cosine_scheduler(opt, 3, 20, lr=5e-4, min_lr=1e-5)
+    sched = WarmupCosineLR(opt, 3, 20, lr=5e-4, min_lr=1e-5)
     lrs = []
     for _ in range(20):
         lrs.append(opt.param_groups[0]["lr"])
@@ -72,10 +78,10 @@ def test_scheduler_reaches_min_lr_and_restores():
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
     state = sched.state_dict()
     assert state["lr_lambdas"][0] == {"warmup_steps": 3, "total_steps": 20, "min_ratio": pytest.approx(0.02)}
-    assert "restore_changes" not in state and "schedule" not in state  # plain values only (weights_only loads)
+    assert "restore_note" not in state  # plain values only (weights_only loads)
     # restoring with the same settings: the same step and exactly the saved lr, and no note
     opt2 = torch.optim.AdamW([p], lr=5e-4)
-    sched2 = warmup_cosine_scheduler(opt2, 3, 20, lr=5e-4, min_lr=1e-5)
+    sched2 = WarmupCosineLR(opt2, 3, 20, lr=5e-4, min_lr=1e-5)
     opt2.load_state_dict(opt.state_dict())
     sched2.load_state_dict(state)
     assert sched2.last_epoch == 20 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
@@ -86,13 +92,13 @@ def test_restored_schedule_follows_the_new_total():
     """Extending a finished run: the cosine continues over the new total from the restored step, warmup unchanged."""
     p = nn.Parameter(torch.zeros(2, 2))
     opt = torch.optim.AdamW([p], lr=1e-3)
-    sched = warmup_cosine_scheduler(opt, 2, 10, lr=1e-3, min_lr=1e-5)
+    sched = WarmupCosineLR(opt, 2, 10, lr=1e-3, min_lr=1e-5)
     for _ in range(10):
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)  # the first run ended on the floor
     opt2 = torch.optim.AdamW([p], lr=1e-3)
-    sched2 = warmup_cosine_scheduler(opt2, 2, 20, lr=1e-3, min_lr=1e-5)  # Lightning's order: build, then restore
+    sched2 = WarmupCosineLR(opt2, 2, 20, lr=1e-3, min_lr=1e-5)  # Lightning's order: build, then restore
     opt2.load_state_dict(opt.state_dict())  # the optimizer state brings the old lr back ...
     sched2.load_state_dict(sched.state_dict())  # ... the schedule re-derives it for the new total
     fresh = WarmupCosine(2, 20, 1e-5 / 1e-3)

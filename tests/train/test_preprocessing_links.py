@@ -1,11 +1,13 @@
-"""The model's preprocessing reaches training: ``diffmm fit`` links image mean/std and the caption truncation of the
-model (an official DiffCLIP checkpoint: ImageNet's and ``cut``; SPEC section 3) to every stage of the data module,
-and the zero-shot hook evaluates with the model's own transform and tokenizer."""
+"""The model's preprocessing reaches training: the data module follows the image mean/std and the caption truncation
+of the model it feeds (an official DiffCLIP checkpoint: ImageNet's and ``cut``, as the DiffCLIP code, arXiv
+2503.06626, preprocesses) in every stage, and the zero-shot hook evaluates with the model's own transform and
+tokenizer."""
 from __future__ import annotations
 
 import copy
 import io
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from diffmm.models.clip.tokenizer import CLIPTokenizer
 from diffmm.train.cli import main, run_cli
 from diffmm.train.clip_module import CLIPModule
 from diffmm.train.datamodules import ImageTextDataModule
+from diffmm.train.errors import ConfigError
 from diffmm.train.zeroshot_hook import ZeroShotHook
 from train_configs import SHRINK, clip_config, write_yaml
 
@@ -56,14 +59,13 @@ def config(tmp_path, image_text_data):
 
 
 @pytest.mark.parametrize("official", [True, False], ids=["official-checkpoint", "default-model"])
-def test_cli_links_the_models_preprocessing_to_every_stage(tmp_path, config, official):
+def test_fit_follows_the_models_preprocessing_in_every_stage(tmp_path, config, official):
     if official:
         config["model"]["init_args"]["pretrained"] = _official_file(tmp_path / "checkpoint_best.safetensors")
     mean, std, truncate = (IMAGENET_MEAN, IMAGENET_STD, "cut") if official else (OPENAI_MEAN, OPENAI_STD, "eot")
-    cli = run_cli(["--config", write_yaml(tmp_path / "fit.yaml", config)], run=False)
+    cli = run_cli(["fit", "--config", write_yaml(tmp_path / "fit.yaml", config)])
     dm = cli.datamodule
-    assert (dm.image_mean, dm.image_std, dm.truncate) == (mean, std, truncate)
-    assert (cli.model.image_mean, cli.model.truncate) == (mean, truncate)
+    assert (dm.image_mean, dm.image_std, dm.truncate, dm.image_size, dm.context_length) == (mean, std, truncate, 16, 16)
     uniform = Image.new("RGB", (40, 40), (128, 64, 32))
     want_tokens = CLIPTokenizer(16, truncate)([LONG])[0]
     for stage in ("train", "val", "test", "predict"):
@@ -85,8 +87,8 @@ def test_data_value_that_contradicts_the_model_is_an_error(tmp_path, capsys, con
     config["model"]["init_args"]["pretrained"] = _official_file(tmp_path / "checkpoint_best.safetensors")
     same = copy.deepcopy(config)
     same["data"]["init_args"].update(image_mean=list(IMAGENET_MEAN), truncate="cut")  # the model's: accepted
-    assert run_cli(["--config", write_yaml(tmp_path / "same.yaml", same)], run=False).datamodule.truncate == "cut"
-    # jsonargparse alone would overwrite these with the model's values; each is one line naming both
+    assert run_cli(["fit", "--config", write_yaml(tmp_path / "same.yaml", same)]).datamodule.truncate == "cut"
+    # each value that differs from the model's is one line naming both
     for key, value in (("image_mean", [0.5, 0.5, 0.5]), ("truncate", "eot"), ("image_size", 224)):
         bad = copy.deepcopy(config)
         bad["data"]["init_args"][key] = value
@@ -99,15 +101,13 @@ def test_data_value_that_contradicts_the_model_is_an_error(tmp_path, capsys, con
 def test_data_module_without_the_cli_defaults_to_openai_and_checks_its_values(image_text_data):
     dm = ImageTextDataModule(*image_text_data, batch_size=4, num_workers=0, image_size=16, context_length=16)
     assert (dm.image_mean, dm.image_std, dm.truncate) == (OPENAI_MEAN, OPENAI_STD, "eot")
-    from diffmm.train.errors import ConfigError
-
     for kwargs, key in (({"image_mean": (0.5, 0.5)}, "data.image_mean"), ({"image_std": (0.5, 0.0, 0.5)}, "data.image_std"),
                         ({"truncate": "middle"}, "data.truncate")):
         with pytest.raises(ConfigError, match=key):
             ImageTextDataModule(*image_text_data, num_workers=0, **kwargs)
 
 
-def test_open_clip_models_preprocess_cfg_is_linked():
+def test_open_clip_models_preprocess_cfg_is_followed(image_text_data):
     """An open_clip model built by open_clip keeps its own mean/std (``visual.preprocess_cfg``)."""
     from dataclasses import asdict
 
@@ -117,16 +117,21 @@ def test_open_clip_models_preprocess_cfg_is_linked():
     oc = CLIP(embed_dim=16, vision_cfg=dict(image_size=16, patch_size=8, width=32, layers=1, head_width=8),
               text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=4, layers=1))
     oc.visual.preprocess_cfg = asdict(PreprocessCfg(size=16, mean=IMAGENET_MEAN, std=(0.5, 0.5, 0.5)))
-    module = CLIPModule(model=oc)
-    assert (module.image_mean, module.image_std, module.truncate) == (IMAGENET_MEAN, (0.5, 0.5, 0.5), "eot")
+    dm = ImageTextDataModule(*image_text_data, num_workers=0)
+    dm.trainer = SimpleNamespace(lightning_module=CLIPModule(model=oc))  # what the trainer gives the data module
+    dm.setup("fit")
+    assert (dm.image_mean, dm.image_std, dm.truncate, dm.image_size) == (IMAGENET_MEAN, (0.5, 0.5, 0.5), "eot", 16)
+    dm.trainer.lightning_module = CLIPModule(model=oc)
+    dm.given["image_std"] = (0.2, 0.2, 0.2)
+    with pytest.raises(ConfigError, match=r"data.image_std is \[0.2, 0.2, 0.2\] but the model's image_std is"):
+        dm.setup("fit")
 
 
 def test_zeroshot_hook_uses_the_models_preprocessing(monkeypatch, image_text_data):
-    import diffmm.eval.image_sources as sources
-    import diffmm.eval.zeroshot as zs
+    import diffmm.train.zeroshot_hook as hook_module
 
     seen = {}
-    real_source, real_zero_shot = sources.open_image_source, zs.zero_shot
+    real_source, real_zero_shot = hook_module.open_image_source, hook_module.zero_shot
 
     def source(spec, transform, **kw):
         seen["transform"] = transform
@@ -136,8 +141,8 @@ def test_zeroshot_hook_uses_the_models_preprocessing(monkeypatch, image_text_dat
         seen["tokenizer"] = tokenizer
         return real_zero_shot(model, tokenizer, *args, **kw)
 
-    monkeypatch.setattr(sources, "open_image_source", source)
-    monkeypatch.setattr(zs, "zero_shot", zero_shot)
+    monkeypatch.setattr(hook_module, "open_image_source", source)
+    monkeypatch.setattr(hook_module, "zero_shot", zero_shot)
     shrink = copy.deepcopy(SHRINK)
     shrink["vision_cfg"].update(image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD)
     shrink["text_cfg"]["truncate"] = "cut"

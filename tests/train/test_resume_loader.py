@@ -6,7 +6,7 @@ import torch
 
 from diffmm.data.image_text import ImageTextDataset
 from diffmm.data.stream import ShardLoader
-from diffmm.data.transforms import image_transform
+from diffmm.models.clip.preprocess import image_transform
 from diffmm.train.resume import ResumableLoader
 from train_helpers import write_image_text_shards
 

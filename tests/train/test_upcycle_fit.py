@@ -108,11 +108,15 @@ def test_upcycle_configs_parse(name, capsys):
     assert "init: upcycle" in capsys.readouterr().out
 
 
-def test_command_line_values_of_dict_options_are_typed():
-    """`--model.init_args.swap.seed 3` / `--model.init_args.zeroshot.max_batches 2` arrive as strings."""
-    from diffmm.train.clip_module import CLIPModule
+def test_command_line_values_of_dict_options_are_typed(tmp_path, image_text_data):
+    """`--model.init_args.swap.seed 3` / `--model.init_args.zeroshot.max_batches 2` are typed as in a config file."""
+    from diffmm.train.cli import run_cli
 
-    m = CLIPModule("CLIP-Tiny", model_kwargs=SHRINK, swap={"init": "upcycle", "seed": "3", "lambda_init": "0.5"},
-                   zeroshot={"dataset": "x.tar", "classnames": ["a"], "max_batches": "2", "templates": ["a {}"]})
+    cfg = clip_config(str(tmp_path / "run"), image_text_data, max_steps=1, model_name="CLIP-Tiny")
+    args = {"swap.init": "upcycle", "swap.seed": "3", "swap.lambda_init": "0.5", "zeroshot.dataset": "x.tar",
+            "zeroshot.classnames": "[a]", "zeroshot.max_batches": "2", "zeroshot.templates": "['a {}']"}
+    cli = run_cli(["--config", write_yaml(tmp_path / "c.yaml", cfg),
+                   *[w for k, v in args.items() for w in (f"--model.init_args.{k}", v)]], run=False)
+    m = cli.model
     assert m.hparams["swap"] == {"init": "upcycle", "seed": 3, "lambda_init": 0.5}
     assert m.model.config.vision_cfg.lambda_init == 0.5 and m.zeroshot.max_batches == 2
