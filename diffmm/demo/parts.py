@@ -64,6 +64,8 @@ class Part:
         paper: the papers' headline numbers for scale (``source``, ``columns``, ``rows``), or empty.
         needs_data: the demo datasets read (``emoji``, ``fashion-mnist``, ``python-docs``).
         plot: (name, function(part results, report folder) -> path(s) relative to it) of the part's own picture.
+        loss_classes: equally likely targets of the training loss, for its chance level ln(n) (CLIP: the batch);
+            None: the model's vocabulary.
     """
 
     key: str
@@ -79,16 +81,18 @@ class Part:
     paper: dict
     needs_data: tuple[str, ...]
     plot: tuple[str, Callable[[dict, str], Any]]
+    loss_classes: Optional[int] = None
 
 
 def mean_over_seeds(items: list) -> Any:
-    """Element-wise mean of same-shaped nested dicts / lists of numbers (other values: the first item's)."""
+    """Element-wise mean of same-shaped nested dicts / lists of numbers (values equal in all items, numbers or not,
+    are kept as they are: a setting's ``num_pairs`` stays an int)."""
     if isinstance(items[0], dict):
         return {k: mean_over_seeds([i[k] for i in items]) for k in items[0]}
     if isinstance(items[0], list):
         return [mean_over_seeds(list(z)) for z in zip(*items)]
-    numbers = isinstance(items[0], (int, float)) and not isinstance(items[0], bool)
-    return float(np.mean(items)) if numbers else items[0]
+    same = all(i == items[0] for i in items)
+    return items[0] if same or isinstance(items[0], (str, bool)) or items[0] is None else float(np.mean(items))
 
 
 def _per_model(res: dict, name: str) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, co
         {"source": "DiffCLIP (arXiv 2503.06626)", "columns": ["CLIP", "DiffCLIP"],
          "rows": [["zero-shot ImageNet top-1 %, CC3M (ViT-B/16, 40 epochs)", 13.6, 14.4],
                   ["zero-shot ImageNet top-1 %, CC12M (ViT-B/16, 40 epochs)", 31.8, 33.8]]},
-        ("emoji", "fashion-mnist"), ("attention maps", attention_maps))
+        ("emoji", "fashion-mnist"), ("attention maps", attention_maps), loss_classes=64)
 
 
 def lm_part(data: str, steps: int, workers: int, quick: bool, configs: str) -> Part:

@@ -125,9 +125,8 @@ class Demo:
         os.rmdir(os.path.join(run_dir, "checkpoints"))
         model, csv = load_pretrained(ckpt), os.path.join(run_dir, "csv", "metrics.csv")
         cols = {k: v[~np.isnan(v)] for k, v in read_metrics_csv(csv).items()}
-        loss, layers, vocab = cols["train/loss"], lambda_layers(model), getattr(model, "config", None)
+        loss, layers, n = cols["train/loss"], lambda_layers(model), part.loss_classes or model.config.vocab_size
         rate = [v.mean() for k, v in cols.items() if k.startswith("train/") and k.endswith("_per_s") and len(v)]
-        n = getattr(vocab, "vocab_size", 64)  # a uniform guess: over the vocabulary, or over CLIP's 64 captions
         res["train"] = {
             "steps": steps, "seconds": seconds, "final_train_loss": float(loss[-max(1, len(loss) // 10):].mean()),
             "throughput": float(rate[0]) if rate else None, "chance_loss": f"ln {n} = {np.log(n):.2f}",
@@ -163,6 +162,14 @@ class Demo:
                   (res["plots"], part.plot[0]))
 
 
+def _layer_label(name: str) -> str:
+    """``visual.transformer.resblocks.3.attn`` -> ``vision 3``, ``transformer.resblocks.0.attn`` -> ``text 0``,
+    ``blocks.2.attn`` -> ``layer 2``."""
+    parts = name.split(".")
+    tower = {"visual": "vision", "transformer": "text"}.get(parts[0], "layer")
+    return f"{tower} {next((p for p in parts if p.isdigit()), '?')}"
+
+
 def plot_lambdas(parts: dict, out: str) -> str:
     """lambda of every differential layer: lambda_init, at the first logged step and after training (mean ± std
     over seeds), one panel per model with differential layers."""
@@ -180,8 +187,7 @@ def plot_lambdas(parts: dict, out: str) -> str:
             ax.errorbar(x, vals.mean(0), yerr=vals.std(0, ddof=1) if len(vals) > 1 else None, fmt=style, capsize=3,
                         label=f"{name} ({len(vals)} seeds)")
         ax.plot(x, [trains[0]["lambda_init"].get(n, np.nan) for n in layers], "x--", color="gray", label="lambda_init")
-        ax.set_xticks(x, [f"{n.split('.')[0]} {next((p for p in n.split('.') if p.isdigit()), '')}" for n in layers],
-                      rotation=60, fontsize=6)
+        ax.set_xticks(x, [_layer_label(n) for n in layers], rotation=60, fontsize=6)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
