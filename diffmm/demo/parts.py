@@ -20,6 +20,7 @@ from diffmm.data.stream import ShardLoader
 from diffmm.data.tar_reader import iter_tar_samples
 from diffmm.data.text import TextDataset
 from diffmm.data.tokenizers import load_lm_tokenizer
+from diffmm.demo.datasets import STYLES
 from diffmm.eval.image_sources import open_image_source
 from diffmm.eval.needle import NeedleConfig, multi_needle, split_sentences
 from diffmm.eval.outliers import activation_outliers
@@ -110,7 +111,7 @@ def _zero_shot(model, spec: str, label_field: str, names: list[str], templates: 
 
 def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, configs: str) -> Part:
     """CLIP-Tiny vs DiffCLIP-Tiny trained on three emoji art styles; zero-shot and retrieval on the fourth."""
-    styles = [s for s in ("noto", "google", "twitter", "openmoji") if s != holdout]
+    styles = [s for s in STYLES if s != holdout]
     held, train = os.path.join(data, "emoji", holdout, "*.tar"), [os.path.join(data, "emoji", s, "*.tar") for s in styles]
     n_held, n_fmnist = (512, 512) if quick else (None, 2000)
 
