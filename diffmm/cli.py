@@ -15,15 +15,13 @@ import inspect
 import logging
 import sys
 import typing
-from types import SimpleNamespace
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import docstring_parser
 from jsonargparse import ArgumentError, ArgumentParser
 
 from diffmm.data.shard_tools import (check_shards, index_shards, write_shards_from_captions, write_shards_from_folders,
                                      write_shards_from_text)
-from diffmm.demo import cli as demo_cli
 from diffmm.demo import run_demo
 from diffmm.demo.datasets import build_demo_data, build_emoji, build_fashion_mnist, build_python_docs
 from diffmm.demo.montage import draw_demo_montage
@@ -34,35 +32,6 @@ from diffmm.train.cli import main as lightning_main
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 #: errors that mean bad input (a file, a name, a value): one line and exit status 2
 INPUT_ERRORS = (ValueError, KeyError, OSError)
-
-
-# Until diffmm.demo.run_demo takes these arguments itself (the demo's own rewrite), ``diffmm demo`` builds the
-# DemoConfig of today's diffmm.demo here.
-def demo(out: str = "report", quick: bool = False, data: str = "data",
-         parts: Optional[list[Literal["clip", "lm", "recall"]]] = None, seeds: Optional[list[int]] = None,
-         clip_steps: Optional[int] = None, lm_steps: Optional[int] = None, holdout: Optional[str] = None,
-         threads: Optional[int] = None, num_workers: Optional[int] = None, render_only: bool = False) -> int:
-    """The main job: demo data, tiny CLIP vs DiffCLIP and Transformer vs DIFF LM over several seeds on CPU, a report.
-
-    Args:
-        out: the report folder.
-        quick: the 5-minute variant (1 seed, fewer steps).
-        data: the demo data folder; built there when missing.
-        parts: what to run (default: all).
-        seeds: the seeds (full: [0,1,2]; quick: [0]).
-        clip_steps: CLIP training steps per run.
-        lm_steps: LM training steps per run.
-        holdout: the emoji art style held out for zero-shot and retrieval (default: twitter).
-        threads: torch CPU threads (default 0: all cores, 1 if the machine is busy).
-        num_workers: DataLoader workers of the training streams (default 1).
-        render_only: only rewrite OUT/report.md from OUT/results.json.
-    """
-    if render_only:
-        return demo_cli.render_only(out)
-    cfg = demo_cli.config_from_args(SimpleNamespace(
-        quick=quick, out=out, data=data, parts=tuple(parts) if parts else None, seeds=tuple(seeds) if seeds else None,
-        clip_steps=clip_steps, lm_steps=lm_steps, holdout=holdout, threads=threads, num_workers=num_workers))
-    return run_demo(cfg, command="diffmm demo " + " ".join(sys.argv[2:]))
 
 
 COMMANDS: dict = {
@@ -79,7 +48,7 @@ COMMANDS: dict = {
                "demo-emoji": build_emoji, "demo-fashion-mnist": build_fashion_mnist, "demo-text": build_python_docs,
                "demo-all": build_demo_data, "montage": draw_demo_montage},
     "export": export,
-    "demo": demo,
+    "demo": run_demo,
 }
 
 

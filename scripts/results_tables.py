@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
 import sys
 from typing import Callable, Optional
 
-from diffmm.demo.config import PRESETS
-from diffmm.demo.report import _comparison_table, clip_chance
-from diffmm.demo.summary import CLIP_METRICS, LM_METRICS
+from diffmm.demo.report import comparison_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,16 +48,8 @@ def _load_demo(root: str) -> dict:
 
 
 def demo_preset(cfg: dict) -> str:
-    """'full' or 'quick' when ``cfg`` is that preset (paths, threads and workers aside), else 'custom'."""
-    ignore = {"out", "data", "threads", "num_workers", "install"}
-
-    def norm(d: dict) -> str:
-        return json.dumps({k: v for k, v in d.items() if k not in ignore}, sort_keys=True, default=list)
-
-    for name, preset in PRESETS.items():
-        if norm(json.loads(json.dumps(preset.to_dict()))) == norm(cfg):
-            return name
-    return "custom"
+    """The preset a run's config records: 'full', 'quick' or 'custom' (seeds, steps, parts or holdout changed)."""
+    return cfg.get("preset", "custom")
 
 
 def _recorded_preset(root: str) -> str | None:
@@ -84,10 +73,7 @@ def demo_run(root: str) -> str:
         ("preset", {"full": "full (`make demo`)", "quick": "**quick** (`make demo-quick`: a smoke test, not the "
                     "documented comparison)"}.get(preset, "custom")),
         ("seeds", ", ".join(map(str, cfg["seeds"]))),
-        ("image-text", f"{cfg['clip_models'][0]} vs {cfg['clip_models'][1]}: {cfg['clip_steps']} steps x "
-                       f"{cfg['clip_batch']} pairs, held-out style `{cfg['holdout_style']}`"),
-        ("language", f"{cfg['lm_models'][0]} vs {cfg['lm_models'][1]}: {cfg['lm_steps']} steps x {cfg['lm_batch']} x "
-                     f"{cfg['lm_model_kwargs'].get('block_size')} tokens"),
+        *[(p["name"], f"{' vs '.join(p['models'])}: {p['budget']}") for p in r["parts"].values()],
         ("steps", f"{len(steps) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else "")),
         ("wall time", f"{(r.get('wall_seconds') or 0) / 60:.1f} min (CPU {(r.get('cpu_seconds') or 0) / 60:.1f} min), "
                       f"{env['cores']} cores, {env['torch_threads']} torch thread(s), load average "
@@ -102,27 +88,20 @@ def demo_run(root: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def demo_clip(root: str) -> str:
-    r = _load_demo(root)
-    if not r.get("clip"):
-        return "*(no image-text part in this run)*\n"
-    chance = clip_chance(r["clip"])
-    chance["train_loss"] = f"ln {r['config']['clip_batch']} = {math.log(r['config']['clip_batch']):.2f}"
-    return _comparison_table(r["clip"], CLIP_METRICS, chance)
+def demo_part(key: str, what: str) -> Callable[[str], str]:
+    """The comparison table of the demo part ``key`` (the same table as the demo's report.md)."""
+    def render(root: str) -> str:
+        part = _load_demo(root)["parts"].get(key)
+        return comparison_table(part) if part else f"*(no {what} part in this run)*\n"
 
-
-def demo_lm(root: str) -> str:
-    r = _load_demo(root)
-    if not r.get("lm"):
-        return "*(no language part in this run)*\n"
-    return _comparison_table(r["lm"], LM_METRICS, {})
+    return render
 
 
 # ----------------------------------------------------------------------------------------- machinery
 SECTIONS: dict[str, tuple[str, str, Callable[[str], str]]] = {
     "demo-run": ("docs/results.md", "results/demo/results.json", demo_run),
-    "demo-clip": ("docs/results.md", "results/demo/results.json", demo_clip),
-    "demo-lm": ("docs/results.md", "results/demo/results.json", demo_lm),
+    "demo-clip": ("docs/results.md", "results/demo/results.json", demo_part("clip", "image-text")),
+    "demo-lm": ("docs/results.md", "results/demo/results.json", demo_part("lm", "language")),
 }
 
 
@@ -200,12 +179,13 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
         json.dump(config, f, indent=1)
         f.write("\n")
     written.append(os.path.join(DEMO_DIR, "config.json"))
-    preset = config["preset"]
+    preset, steps = config["preset"], r["config"]["steps"]
     with open(os.path.join(dest, "README.md"), "w") as f:
         f.write(f"# The demo run behind docs/results.md\n\n"
                 f"`{r['command']}`, preset **{preset}**"
-                + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {r['config']['clip_steps']} CLIP and "
-                   f"{r['config']['lm_steps']} LM steps; not the documented 3-seed comparison)" if preset == "quick" else "") + f", finished {r.get('finished', '?')}.\n\n"
+                + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {steps['clip']} CLIP and {steps['lm']} LM "
+                   "steps; not the documented 3-seed comparison)" if preset == "quick" else "")
+                + f", finished {r.get('finished', '?')}.\n\n"
                 "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
                 "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
                 "regenerates the tables of docs/results.md. The full run:\n\n"

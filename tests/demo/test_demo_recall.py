@@ -1,36 +1,34 @@
-"""The demo's recall section: every (seed, attention type) run, the aggregate, the plot and the report section."""
+"""The demo's recall part: Transformer vs DIFF V1 vs DIFF V2 trained with the recall configs, scored by
+``evaluate_recall``, compared in the report."""
 from __future__ import annotations
 
 import json
 import os
 
-from diffmm.demo import DemoConfig, run_demo
-from diffmm.demo.pipeline import planned_steps
+from diffmm.demo import run_demo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_demo_recall_section(tmp_path):
+def test_demo_recall_part(tmp_path):
     out = str(tmp_path / "report")
-    cfg = DemoConfig(out=out, data=str(tmp_path / "nodata"), parts=("recall",), seeds=(0, 1), threads=1,
-                     recall_width=16, recall_heads=2, recall_layers=1, recall_vocab=16,
-                     recall_train_seq_lens=(8,), recall_train_pairs=(2,), recall_eval_seq_lens=(8, 16),
-                     recall_eval_pairs=(2,), recall_steps=3, recall_batch_tokens=64, recall_examples=4)
-    assert planned_steps(cfg) == 2 * 3 + 1
-    assert run_demo(cfg, command="test") == 0
+    assert run_demo(out, quick=True, seeds=[0, 1], parts=["recall"], data=str(tmp_path / "nodata"), recall_steps=3,
+                    threads=1, workers=0) == 0
     with open(os.path.join(out, "results.json")) as f:
         res = json.load(f)
-    assert res["status"] == "ok" and len(res["steps"]) == 7
-    part = res["recall"]
-    assert set(part["runs"]) == {"standard", "diff", "diff_v2"}
+    assert res["status"] == "ok" and len(res["steps"]) == 2 * 3 * 2 + 2 + 1  # no data step
+    part = res["parts"]["recall"]
+    assert part["models"] == ["Transformer", "DIFF V1", "DIFF V2"]
     assert all(set(r) == {"0", "1"} for r in part["runs"].values())
-    run = part["runs"]["diff_v2"]["1"]
-    assert run["train"]["steps"] == 3 and set(run["eval"]["accuracy_by_task"]) == {"L8-N2", "L16-N2"}
-    w = part["aggregate"]["widths"]["16"]
-    assert w["summary"]["diff"]["accuracy"]["n"] == 2 and set(w["paired"]) == {
-        "diff - standard", "diff_v2 - standard", "diff_v2 - diff"}
-    # parameter-matched: the three models are within one SwiGLU hidden unit per layer of each other
-    totals = [w["params"][v]["total"] for v in ("standard", "diff", "diff_v2")]
-    assert max(totals) - min(totals) <= 3 * 16
+    run = part["runs"]["DIFF V2"]["1"]
+    assert run["train"]["steps"] == 3 and set(run["recall"]["accuracy_by_task"]) == {"L16-N2", "L16-N4", "L64-N2",
+                                                                                     "L64-N4"}
+    assert part["summary"]["DIFF V1"]["accuracy"]["n"] == 2 and set(part["paired"]) == {"DIFF V1", "DIFF V2"}
+    # the configs' models are parameter-matched: within 0.2 % of the Transformer's count
+    params = [part["summary"][x]["params"]["mean"] for x in part["models"]]
+    assert all(abs(p - params[0]) <= 0.002 * params[0] for p in params)
     assert os.path.getsize(os.path.join(out, "recall.png")) > 0
     md = open(os.path.join(out, "report.md")).read()
-    assert "## Associative recall (MQAR)" in md and "DIFF V2 − Transformer" in md and "![recall" in md
-    assert "Lambda per layer" not in md  # no CLIP / LM part ran
+    assert "## Associative recall (MQAR)" in md and "DIFF V2 − Transformer (paired)" in md and "![recall" in md
+    assert "| recall accuracy L16-N2 % (↑) |" in md and "| 50.0 |" in md  # chance 1/N beside the setting
+    assert "![lambda per layer](lambda_per_layer.png)" in md  # DIFF V1's layers

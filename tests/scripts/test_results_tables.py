@@ -56,8 +56,8 @@ def test_changed_results_change_the_tables(rt, tree):
     path = os.path.join(tree, "results", "demo", "results.json")
     with open(path) as f:
         r = json.load(f)
-    baseline = r["clip"]["models"]["baseline"]
-    r["clip"]["summary"][baseline]["train_loss"]["mean"] += 1.0
+    clip = r["parts"]["clip"]
+    clip["summary"][clip["models"][0]]["train_loss"]["mean"] += 1.0
     with open(path, "w") as f:
         json.dump(r, f)
     assert rt.check(tree) == ["docs/results.md: demo-clip"]
@@ -78,7 +78,7 @@ def test_import_demo_copies_results_without_machine_paths(rt, tree, tmp_path):
     with open(os.path.join(ROOT, "results", "demo", "results.json")) as f:
         r = json.load(f)
     r["command"] = f"diffmm demo --quick --out {run}"
-    r["config"]["out"] = str(run)
+    r["config"].update(out=str(run), preset="quick")
     r["plots"] = {"clip_loss": f"{run}/clip_loss_curves.png"}
     (run / "results.json").write_text(json.dumps(r))
     (run / "report.md").write_text(f"# report\n\n![CLIP loss curves](clip_loss_curves.png)\nlog: {run}/demo.log\n")
@@ -93,7 +93,8 @@ def test_import_demo_copies_results_without_machine_paths(rt, tree, tmp_path):
     assert got["command"] == "diffmm demo --quick --out results/demo" and got["config"]["out"] == "results/demo"
     assert got["plots"]["clip_loss"] == "results/demo/clip_loss_curves.png"
     cfg = json.load(open(os.path.join(tree, "results", "demo", "config.json")))
-    assert cfg["preset"] == rt.demo_preset(r["config"]) and cfg["config"]["seeds"] == r["config"]["seeds"]
+    assert cfg["preset"] == "quick" and cfg["config"]["seeds"] == r["config"]["seeds"]
+    assert "(a smoke test: 3 seed(s), 200 CLIP and 200 LM steps" in open(os.path.join(tree, "results", "demo", "README.md")).read()
     assert "log: results/demo/demo.log" in open(os.path.join(tree, "results", "demo", "report.md")).read()
 
 
