@@ -43,7 +43,7 @@ def test_usage_and_errors(tmp_path, capsys):
     for argv, want in ((["nope"], "diffmm: error: argument subcommand: invalid choice: 'nope'"),
                        (["eval", "needle", "--lm", "x", "--trials", "ten"], "diffmm eval needle: error: --trials:"),
                        (["demo", "--parts", "[vision]"], "diffmm demo: error: --parts:"),
-                       (["demo", "--render_only", "true", "--out", str(tmp_path)], "run the demo first")):
+                       (["demo", "--seeds", "[0,0]", "--out", str(tmp_path)], "seeds [0, 0] (distinct, at least one)")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and want in err[0], (argv, err)

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -197,7 +197,8 @@ def plot_lambdas(parts: dict, out: str) -> str:
 
 
 def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]] = None,
-             parts: Optional[list[str]] = None, data: str = "data", clip_steps: Optional[int] = None,
+             parts: Optional[list[Literal["clip", "lm", "recall"]]] = None, data: str = "data",
+             clip_steps: Optional[int] = None,
              lm_steps: Optional[int] = None, recall_steps: Optional[int] = None, holdout: str = "twitter",
              threads: int = 0, workers: int = 1, configs: Optional[str] = None) -> int:
     """Train tiny models with standard and differential attention on CPU, compare them and write the report.
@@ -228,7 +229,7 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
     parts, defaults = list(parts or PARTS), (QUICK_STEPS if quick else STEPS)
     seeds = list(seeds if seeds is not None else ([0] if quick else [0, 1, 2]))
     if set(parts) - set(PARTS) or not seeds or len(set(seeds)) != len(seeds) or holdout not in STYLES:
-        raise ValueError(f"diffmm demo: parts {parts} (a subset of {list(PARTS)}), seeds {seeds} (distinct, at least "
+        raise ValueError(f"parts {parts} (a subset of {list(PARTS)}), seeds {seeds} (distinct, at least "
                          f"one) or holdout {holdout!r} (one of {list(STYLES)}) is not valid")
     steps = {k: v or defaults[k] for k, v in (("clip", clip_steps), ("lm", lm_steps), ("recall", recall_steps))}
     custom = steps != defaults or seeds != ([0] if quick else [0, 1, 2]) or holdout != "twitter" or len(parts) < 3
