@@ -155,12 +155,7 @@ def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False) -> d
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state dict of tensors (or a checkpoint with 'state_dict')")
-    return strip_prefix(obj, "module.")
-
-
-def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Remove ``prefix`` from every key that has it (e.g. DDP's ``module.``)."""
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+    return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
 def _kind(dtype: torch.dtype) -> str:

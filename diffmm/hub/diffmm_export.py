@@ -105,8 +105,6 @@ def read_export(path: str | os.PathLike) -> tuple[str, dict[str, Any], dict[str,
         raise ValueError(f"{cfg_path}: no '{MARKER}': {{'kind': ...}} entry; not a diffmm export")
     if info.get("version", VERSION) > VERSION:
         raise ValueError(f"{cfg_path}: export version {info['version']} is newer than this diffmm reads ({VERSION})")
-    if info["kind"] not in KINDS:
-        raise ValueError(f"{cfg_path}: unknown export kind {info['kind']!r}; expected one of {', '.join(KINDS)}")
     return info["kind"], meta.get("config", {}), load_state_file(w_path)
 
 

@@ -40,7 +40,7 @@ from diffmm.hub.clip_formats import (CLIP_LAYOUTS, check_attention_types, clip_l
                                      load_weights_and_config, strict_load)
 from diffmm.hub.difflama import is_difflama_folder, load_difflama
 from diffmm.hub.diffmm_export import is_export_folder, load_export
-from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag, open_clip_tokenizer
+from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag
 from diffmm.models.clip.config import CLIPConfig, UnknownModelError, get_model_config, list_models, load_config_file
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
@@ -346,7 +346,13 @@ def get_tokenizer(model_name: Union[str, nn.Module, None] = None, context_length
         text = get_model_config(model_name).text_cfg
         return CLIPTokenizer(context_length or text.context_length, text.truncate)
     if kind == "open_clip":
-        return open_clip_tokenizer(model_name[len(OPEN_CLIP_PREFIX):], context_length)
+        name = model_name[len(OPEN_CLIP_PREFIX):]
+        cfg = diffclip_config(name)
+        if cfg is None:  # open_clip builds it, with its own tokenizer
+            import open_clip  # only for open_clip: names (``import diffmm`` works without open_clip)
+
+            return open_clip.get_tokenizer(name, context_length=context_length)
+        return CLIPTokenizer(context_length or cfg.text_cfg.context_length, cfg.text_cfg.truncate)
     return tokenizer_for(create_model(model_name), context_length)  # a checkpoint: the model it holds knows
 
 
