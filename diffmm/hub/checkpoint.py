@@ -45,9 +45,6 @@ def torch_file_damage(path: str | os.PathLike) -> Optional[str]:
             if pkl is None:
                 return "a zip archive without data.pkl: not a torch checkpoint"
             z.read(pkl)  # checks the record's CRC
-            for info in z.infolist():
-                if info.header_offset + info.compress_size > size:
-                    return f"truncated (record {info.filename} ends past the end of the file)"
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
         return f"corrupt ({e})"
     except OSError as e:
@@ -91,16 +88,6 @@ def raise_if_damaged(path: str | os.PathLike) -> None:
         raise DamagedFileError(f"{p}: {damage}")
 
 
-def read_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load_file`` whose errors name the file (truncated, garbage, empty, unreadable)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such weights file")
-    damage = safetensors_damage(path)
-    if damage is not None:
-        raise DamagedFileError(f"{path}: {damage}")
-    return load_file(str(path), device=device)
-
-
 def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_location: str = "cpu") -> Any:
     """Load a ``.safetensors`` file or a torch checkpoint.
 
@@ -111,11 +98,11 @@ def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
-    if path.suffix == ".safetensors":
-        return read_safetensors(path, device=map_location)
-    damage = torch_file_damage(path)
+    damage = safetensors_damage(path) if path.suffix == ".safetensors" else torch_file_damage(path)
     if damage is not None:
         raise DamagedFileError(f"{path}: {damage}")
+    if path.suffix == ".safetensors":
+        return load_file(str(path), device=map_location)
     try:
         return torch.load(path, map_location=map_location, weights_only=not trust_pickle)
     except Exception as e:  # weights_only refusal surfaces as UnpicklingError / RuntimeError
@@ -168,12 +155,7 @@ def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False) -> d
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state dict of tensors (or a checkpoint with 'state_dict')")
-    return strip_prefix(obj, "module.")
-
-
-def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Remove ``prefix`` from every key that has it (e.g. DDP's ``module.``)."""
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+    return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
 def _kind(dtype: torch.dtype) -> str:

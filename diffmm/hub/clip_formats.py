@@ -22,6 +22,7 @@ from diffmm.hub.clip_convert import (from_open_clip_config, infer_official_confi
                                      infer_timm_vit_config, mha_text_to_diffmm, open_clip_to_diffmm,
                                      timm_vit_to_diffmm)
 from diffmm.hub.diffmm_export import is_export_folder, read_export
+from diffmm.hub.open_clip_models import open_clip_config
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.vision import VisionTransformer
@@ -83,11 +84,7 @@ def _read_open_clip(path: Path, *, trust_pickle: bool = False, model_name: Optio
             raise ValueError(f"{path / OPEN_CLIP_CONFIG}: no 'model_cfg' entry")
         oc_cfg, path = meta["model_cfg"], _weights_in(path)
     elif model_name is not None:
-        import open_clip  # only for an open_clip architecture name (``import diffmm`` works without open_clip)
-
-        oc_cfg = open_clip.get_model_config(model_name)
-        if oc_cfg is None:
-            raise ValueError(f"{path}: open_clip has no model config {model_name!r}")
+        oc_cfg = open_clip_config(model_name)
     raw = read_state_dict(path, trust_pickle=trust_pickle)
     if oc_cfg is not None:
         cfg = from_open_clip_config(dict(oc_cfg) if quick_gelu is None else {**oc_cfg, "quick_gelu": quick_gelu},
@@ -113,19 +110,14 @@ def _read_official(path: Path, *, trust_pickle: bool = False, lambda_init: str |
     if preprocess not in ("auto", "official", "openai"):
         raise ValueError(f"preprocess {preprocess!r}; expected auto, official or openai")
     if preprocess == "official" or (preprocess == "auto" and _written_by_official_code(path)):
-        set_official_preprocessing(cfg)
+        cfg.vision_cfg.image_mean, cfg.vision_cfg.image_std = IMAGENET_MEAN, IMAGENET_STD
+        cfg.text_cfg.truncate = "cut"  # the official tokenizer keeps the first context_length tokens
     return sd, cfg, "clip"
 
 
 def _written_by_official_code(path: Path) -> bool:
     keys = peek_keys(path)
     return "best_acc1" in keys or any(k.startswith("module.") for k in keys)
-
-
-def set_official_preprocessing(cfg: CLIPConfig) -> None:
-    """The official DiffCLIP preprocessing on a config: ImageNet mean/std and the official tokenizer truncation."""
-    cfg.vision_cfg.image_mean, cfg.vision_cfg.image_std = IMAGENET_MEAN, IMAGENET_STD
-    cfg.text_cfg.truncate = "cut"
 
 
 def _read_timm(path: Path, *, trust_pickle: bool = False, head_width: Optional[int] = None, norm_eps: float = 1e-6,

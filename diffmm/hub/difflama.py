@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from diffmm.hub.checkpoint import check_state_dict, read_safetensors
+from diffmm.hub.checkpoint import check_state_dict, load_state_file
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -128,25 +128,6 @@ def hf_to_lm_config(hf: dict[str, Any], *, source: str = "config.json", **overri
 
 
 # ------------------------------------------------------------------------------------- state dicts
-def hf_expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of a DiffLlama state dict for ``cfg`` (without ``lm_head.weight`` when tied)."""
-    E, H, Hk, d, F, V = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.mlp_hidden, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,)}
-    for i in range(cfg.n_layer):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
-            p + "self_attn.q_proj.weight": (H * d, E), p + "self_attn.k_proj.weight": (Hk * d, E),
-            p + "self_attn.v_proj.weight": (Hk * d, E), p + "self_attn.o_proj.weight": (E, H * d),
-            p + "mlp.gate_proj.weight": (F, E), p + "mlp.up_proj.weight": (F, E), p + "mlp.down_proj.weight": (E, F),
-        })
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            shapes[p + "self_attn." + name] = (d,)
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (V, E)
-    return shapes
-
-
 def to_difflama(state_dict: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """diffmm DiffLM state dict -> DiffLlama state dict (see the module docstring for the mapping)."""
     _check_exportable(cfg)
@@ -181,15 +162,15 @@ def from_difflama(state_dict: dict[str, torch.Tensor], cfg, *, source: str = "Di
     Missing, unexpected or mis-shaped keys raise one ``KeyError`` naming them (no partial loads).
     """
     sd = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    expected = hf_expected_shapes(cfg)
+    with torch.device("meta"):  # the keys, shapes and dtype kinds a DiffLlama of cfg has, without its memory
+        expected = to_difflama(DiffLM(cfg).state_dict(), cfg)
     if cfg.tie_embeddings and "lm_head.weight" in sd:  # some exporters store the tied head as well
         head = sd.pop("lm_head.weight")
         emb = sd.get("model.embed_tokens.weight")
         if emb is not None and (head.shape != emb.shape or not torch.equal(head, emb)):
             raise KeyError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
                            f"tie_word_embeddings is true")
-    # every DiffLlama tensor is a float weight: meta tensors carry shape and dtype kind for the check
-    check_state_dict(sd, {k: torch.empty(s, device="meta") for k, s in expected.items()}, source=source)
+    check_state_dict(sd, expected, source=source)
     h, hk, d = cfg.n_head // 2, cfg.n_kv_head // 2, cfg.head_dim
     out = {"wte.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     out["lm_head.weight"] = sd["model.embed_tokens.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
@@ -225,7 +206,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_safetensors_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_state_file_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a folder: the shards ``model.safetensors.index.json`` lists, else all ``*.safetensors``."""
     folder = Path(folder)
     index = folder / INDEX_FILE
@@ -243,7 +224,7 @@ def read_safetensors_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor
         path = folder / name
         if not path.is_file():
             raise FileNotFoundError(f"{path}: shard listed in {INDEX_FILE} does not exist")
-        part = read_safetensors(path)
+        part = load_state_file(path)
         dup = sorted(set(part) & set(sd))
         if dup:
             raise KeyError(f"{path}: keys already in another shard: {', '.join(dup[:8])}")
@@ -290,7 +271,7 @@ def load_difflama(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = Non
         raise FileNotFoundError(f"{folder}: no config.json (expected a DiffLlama folder)")
     cfg = hf_to_lm_config(read_json(folder / "config.json"), source=str(folder / "config.json"),
                           attn_backend=attn_backend)
-    sd = from_difflama(read_safetensors_folder(folder), cfg, source=str(folder))
+    sd = from_difflama(load_state_file_folder(folder), cfg, source=str(folder))
     model = DiffLM(cfg)
     model.load_state_dict(sd, strict=True)
     if dtype is not None:

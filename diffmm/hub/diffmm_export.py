@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from diffmm.hub.checkpoint import check_state_dict, read_safetensors
+from diffmm.hub.checkpoint import check_state_dict, load_state_file
 from diffmm.models.clip.config import CLIPConfig
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.lm import DiffLM, LMConfig
@@ -105,9 +105,7 @@ def read_export(path: str | os.PathLike) -> tuple[str, dict[str, Any], dict[str,
         raise ValueError(f"{cfg_path}: no '{MARKER}': {{'kind': ...}} entry; not a diffmm export")
     if info.get("version", VERSION) > VERSION:
         raise ValueError(f"{cfg_path}: export version {info['version']} is newer than this diffmm reads ({VERSION})")
-    if info["kind"] not in KINDS:
-        raise ValueError(f"{cfg_path}: unknown export kind {info['kind']!r}; expected one of {', '.join(KINDS)}")
-    return info["kind"], meta.get("config", {}), read_safetensors(w_path)
+    return info["kind"], meta.get("config", {}), load_state_file(w_path)
 
 
 def load_export(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = None, trust_pickle: bool = False,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -41,7 +40,7 @@ from diffmm.hub.clip_formats import (CLIP_LAYOUTS, check_attention_types, clip_l
                                      load_weights_and_config, strict_load)
 from diffmm.hub.difflama import is_difflama_folder, load_difflama
 from diffmm.hub.diffmm_export import is_export_folder, load_export
-from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag, open_clip_tokenizer
+from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag
 from diffmm.models.clip.config import CLIPConfig, UnknownModelError, get_model_config, list_models, load_config_file
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
@@ -109,18 +108,6 @@ def random_weights_message(name: str) -> str:
             f"level; pass --pretrained FILE or a checkpoint as --model")
 
 
-def network_available(host: Optional[str] = None, timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face endpoint accepts a TCP connection (False when HF_HUB_OFFLINE is set)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
-        return False
-    host = host or os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def resolve_location(name: Union[str, os.PathLike]) -> Path:
     """A file or folder path, ``local-dir:PATH`` or ``hf-hub:ORG/REPO`` (a snapshot: the Hugging Face cache first,
     then the network) -> an existing local path."""
@@ -131,11 +118,13 @@ def resolve_location(name: Union[str, os.PathLike]) -> Path:
             return Path(huggingface_hub.snapshot_download(repo, local_files_only=True))
         except Exception:  # not cached
             pass
-        if not network_available():
-            raise ConnectionError(f"{s}: not in the local Hugging Face cache and huggingface.co is not reachable "
-                                  f"(no network); download the folder elsewhere and load it with local-dir:PATH")
-        return Path(huggingface_hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.bin",
-                                                                            "*.txt"]))
+        try:
+            return Path(huggingface_hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.bin",
+                                                                                "*.txt"]))
+        except Exception as e:  # no network (or HF_HUB_OFFLINE), no such repository, ...
+            raise ConnectionError(f"{s}: not in the local Hugging Face cache and could not be downloaded "
+                                  f"({type(e).__name__}); download the folder elsewhere and load it with "
+                                  f"local-dir:PATH") from None
     p = Path(s[len(LOCAL_DIR):] if s.startswith(LOCAL_DIR) else s)
     if not p.exists():
         raise FileNotFoundError(f"{s}: no such file or folder")
@@ -357,25 +346,14 @@ def get_tokenizer(model_name: Union[str, nn.Module, None] = None, context_length
         text = get_model_config(model_name).text_cfg
         return CLIPTokenizer(context_length or text.context_length, text.truncate)
     if kind == "open_clip":
-        return open_clip_tokenizer(model_name[len(OPEN_CLIP_PREFIX):], context_length)
-    if kind == "saved":
-        ctx, truncate = _saved_text_cfg(model_name)
-        return CLIPTokenizer(context_length or ctx, truncate)
+        name = model_name[len(OPEN_CLIP_PREFIX):]
+        cfg = diffclip_config(name)
+        if cfg is None:  # open_clip builds it, with its own tokenizer
+            import open_clip  # only for open_clip: names (``import diffmm`` works without open_clip)
+
+            return open_clip.get_tokenizer(name, context_length=context_length)
+        return CLIPTokenizer(context_length or cfg.text_cfg.context_length, cfg.text_cfg.truncate)
     return tokenizer_for(create_model(model_name), context_length)  # a checkpoint: the model it holds knows
-
-
-def _saved_text_cfg(name: str) -> tuple[int, str]:
-    """Context length and truncation of a ``local-dir:`` / ``hf-hub:`` model (open_clip folder or diffmm export),
-    read from its JSON without loading the weights."""
-    folder = resolve_location(name)
-    for fname, keys in (("open_clip_config.json", ("model_cfg", "text_cfg")), ("config.json", ("config", "text_cfg"))):
-        f = folder / fname
-        if f.is_file():
-            d = json.loads(f.read_text())
-            for k in keys:
-                d = d.get(k, {})
-            return int(d.get("context_length", 77)), d.get("truncate", "eot")
-    raise FileNotFoundError(f"{name}: no open_clip_config.json or config.json to read the context length from")
 
 
 # ------------------------------------------------------------------------------------------ load_pretrained

@@ -19,12 +19,12 @@ import torch.nn as nn
 from diffmm.hub.checkpoint import check_state_dict, read_state_dict
 from diffmm.hub.clip_convert import from_open_clip_config
 from diffmm.models.clip.config import CLIPConfig, UnknownModelError
-from diffmm.models.clip.tokenizer import CLIPTokenizer
 
 log = logging.getLogger("diffmm.hub")
 
 
-def _open_clip_config(name: str) -> dict:
+def open_clip_config(name: str) -> dict:
+    """open_clip's model config of the architecture ``name`` (``open_clip.get_model_config``)."""
     import open_clip
 
     oc_cfg = open_clip.get_model_config(name)
@@ -37,7 +37,7 @@ def diffclip_config(name: str) -> Optional[CLIPConfig]:
     """diffmm's config of the open_clip architecture ``name`` (open_clip's layout, standard attention), or None when
     diffmm does not implement its towers (open_clip then builds it)."""
     try:
-        return from_open_clip_config(_open_clip_config(name), source=f"open_clip:{name}")
+        return from_open_clip_config(open_clip_config(name), source=f"open_clip:{name}")
     except UnknownModelError:
         raise
     except ValueError as e:
@@ -50,7 +50,7 @@ def download_tag(name: str, tag: str) -> tuple[str, dict]:
     which needs the network); the config names the tag's mean/std."""
     import open_clip
 
-    _open_clip_config(name)
+    open_clip_config(name)
     cfg = open_clip.get_pretrained_cfg(name, tag)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(name)
@@ -84,14 +84,3 @@ def create_native(name: str, path: Optional[str], *, trust_pickle: bool = False,
         model.load_state_dict(sd, strict=True)
     model.diffmm_open_clip_name = name
     return model
-
-
-def open_clip_tokenizer(name: str, context_length: Optional[int] = None):
-    """The tokenizer of the open_clip architecture ``name`` without building the model (diffmm's CLIP BPE for the
-    architectures diffmm builds, open_clip's own for the others)."""
-    import open_clip
-
-    cfg = diffclip_config(name)
-    if cfg is None:
-        return open_clip.get_tokenizer(name, context_length=context_length)
-    return CLIPTokenizer(context_length or cfg.text_cfg.context_length, cfg.text_cfg.truncate)

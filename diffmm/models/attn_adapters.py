@@ -200,11 +200,4 @@ ADAPTERS: dict[str, dict[type, type]] = {
 def adapter_class(convention: str, layer_cls: type) -> type:
     """The class of ``layer_cls`` (a registered attention class) called with ``convention``'s call (``'native'``:
     ``layer_cls`` itself)."""
-    if convention == "native":
-        return layer_cls
-    if convention not in ADAPTERS:
-        raise ValueError(f"unknown call convention {convention!r}; expected native or {', '.join(ADAPTERS)}")
-    if layer_cls not in ADAPTERS[convention]:
-        raise ValueError(f"no {convention} call adapter for {layer_cls.__name__}; diffmm.models.attn_adapters defines "
-                         f"them for {', '.join(c.__name__ for c in ADAPTERS[convention])}")
-    return ADAPTERS[convention][layer_cls]
+    return layer_cls if convention == "native" else ADAPTERS[convention][layer_cls]

@@ -51,9 +51,6 @@ _3B = dict(vocab_size=_PAPER_VOCAB, block_size=4096, n_layer=28, n_embd=3072, n_
 LM_CONFIGS["diff-3b"] = dict(_3B, attention="diff")
 LM_CONFIGS["transformer-3b"] = dict(_3B, attention="standard")
 
-# Parameter counts the paper advertises, for the tests (name -> count).
-PAPER_SIZES = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
-
 
 def list_lm_configs() -> list[str]:
     """Names accepted by :meth:`LMConfig.from_name`."""

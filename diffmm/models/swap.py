@@ -42,6 +42,13 @@ def _is_open_clip_attention(layer: nn.Module) -> bool:
     return oc is not None and isinstance(layer, oc.Attention)
 
 
+def _fused(qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor], out: nn.Linear, heads: int) -> StdAttnWeights:
+    """The weights of a layer with one fused (q, k, v) input projection (rows ordered q, k, v)."""
+    q, k, v = qkv_weight.chunk(3)
+    bq, bk, bv = qkv_bias.chunk(3) if qkv_bias is not None else (None, None, None)
+    return StdAttnWeights(q, k, v, out.weight, bq, bk, bv, out.bias, heads)
+
+
 def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, dict]:
     """Weights of a standard self-attention layer, its call convention and adapter attributes.
 
@@ -51,9 +58,7 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
         if not layer._qkv_same_embed_dim or layer.bias_k is not None or layer.add_zero_attn:
             raise ValueError(f"{where}: nn.MultiheadAttention with separate kdim/vdim, bias_k/bias_v or "
                              f"add_zero_attn cannot be swapped")
-        q, k, v = layer.in_proj_weight.chunk(3)
-        bq, bk, bv = layer.in_proj_bias.chunk(3) if layer.in_proj_bias is not None else (None, None, None)
-        w = StdAttnWeights(q, k, v, layer.out_proj.weight, bq, bk, bv, layer.out_proj.bias, layer.num_heads)
+        w = _fused(layer.in_proj_weight, layer.in_proj_bias, layer.out_proj, layer.num_heads)
         return w, "mha", {"batch_first": layer.batch_first, "mask_heads": layer.num_heads}
     if _is_open_clip_attention(layer):
         extras = [n for n, on in (("scaled_cosine", layer.logit_scale is not None),
@@ -62,9 +67,7 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
                                   ("inner_norm", not isinstance(layer.ln_inner, nn.Identity))) if on]
         if extras:
             raise ValueError(f"{where}: open_clip Attention with {', '.join(extras)} cannot be swapped")
-        q, k, v = layer.in_proj_weight.chunk(3)
-        bq, bk, bv = layer.in_proj_bias.chunk(3) if layer.in_proj_bias is not None else (None, None, None)
-        w = StdAttnWeights(q, k, v, layer.out_proj.weight, bq, bk, bv, layer.out_proj.bias, layer.num_heads)
+        w = _fused(layer.in_proj_weight, layer.in_proj_bias, layer.out_proj, layer.num_heads)
         return w, "open_clip", {"mask_heads": layer.num_heads}
     if type(layer) is TimmAttention:
         extras = [n for n, on in (("qk_norm", not isinstance(layer.q_norm, nn.Identity)),
@@ -73,9 +76,7 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
                                   ("dim_out != dim", layer.proj.out_features != layer.qkv.in_features)) if on]
         if extras:
             raise ValueError(f"{where}: timm Attention with {', '.join(extras)} cannot be swapped")
-        q, k, v = layer.qkv.weight.chunk(3)
-        bq, bk, bv = layer.qkv.bias.chunk(3) if layer.qkv.bias is not None else (None, None, None)
-        w = StdAttnWeights(q, k, v, layer.proj.weight, bq, bk, bv, layer.proj.bias, layer.num_heads)
+        w = _fused(layer.qkv.weight, layer.qkv.bias, layer.proj, layer.num_heads)
         return w, "timm", {"mask_heads": layer.num_heads}
     if isinstance(layer, DiffmmAttention):
         if layer.num_kv_heads != layer.num_heads or layer.use_rope:

@@ -140,13 +140,6 @@ def _pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 1, d, *w.shape[1:]).expand(heads, 2, d, *w.shape[1:]).reshape(2 * heads * d, *w.shape[1:])
 
 
-def _check_shapes(layer: nn.Module, expected: dict[str, tuple[int, int]], what: str) -> None:
-    for name, shape in expected.items():
-        got = tuple(getattr(layer, name).weight.shape)
-        if got != shape:
-            raise NotImplementedError(f"upcycle to {what} expects {name} {shape}; {type(layer).__name__} has {got}")
-
-
 @torch.no_grad()
 def upcycle_diff(layer: UpcycledDiffAttention, w: StdAttnWeights, *, split_noise: float = 0.1,
                  generator: Optional[torch.Generator] = None) -> UpcycledDiffAttention:
@@ -161,7 +154,6 @@ def upcycle_diff(layer: UpcycledDiffAttention, w: StdAttnWeights, *, split_noise
         generator: RNG for the lambda vectors and the split noise.
     """
     H, d, E = w.num_heads, w.head_dim, w.dim
-    _check_shapes(layer, {"q_proj": (2 * E, E), "v_proj": (2 * E, E), "out_proj": (E, 2 * E)}, UPCYCLED)
     ct = torch.promote_types(w.wq.dtype, torch.float32)
     layer.to(ct)
     layer.q_proj.weight.copy_(_pairs(w.wq, H))
@@ -192,9 +184,7 @@ def upcycle_v2(layer: DiffV2Attention, w: StdAttnWeights) -> DiffV2Attention:
     Query maps 2j and 2j+1 = the pretrained ``q_j``; K, V = the pretrained ones; ``W_lambda = 0`` so
     ``sigmoid = 1/2`` and head_j = O_j - O_j / 2; ``out_proj = 2 Wo`` restores the pretrained output.
     """
-    H, E = w.num_heads, w.dim
-    _check_shapes(layer, {"q_proj": (2 * E, E), "k_proj": (E, E), "v_proj": (E, E), "lambda_proj": (H, E),
-                          "out_proj": (E, E)}, "diff_v2")
+    H = w.num_heads
     layer.to(torch.promote_types(w.wq.dtype, torch.float32))
     layer.q_proj.weight.copy_(_pairs(w.wq, H))
     layer.k_proj.weight.copy_(w.wk)

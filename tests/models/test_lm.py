@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from diffmm.models.lm import DiffLM, LMConfig, sample_next, swiglu_hidden
-from diffmm.models.lm_configs import PAPER_SIZES, list_lm_configs
+from diffmm.models.lm_configs import list_lm_configs
 from diffmm.nn import ATTENTION_LAYERS
 
 
@@ -207,6 +207,10 @@ def test_param_report_closed_form(attention, tie):
     assert rep["embedding"] == V * E * (1 if tie else 2)
     assert rep["total"] == sum(p.numel() for p in model.parameters()) == rep["non_embedding"] + rep["embedding"]
     assert "non_embedding" in model.format_param_report()
+
+
+#: parameter counts the DIFF paper advertises (name -> count)
+PAPER_SIZES = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
 
 
 @pytest.mark.parametrize("size", sorted(PAPER_SIZES))
