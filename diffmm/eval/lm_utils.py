@@ -27,10 +27,9 @@ def lm_logits(model, idx: torch.Tensor) -> torch.Tensor:
 
 def context_limit(model) -> Optional[int]:
     """The longest sequence the model takes (``config.block_size`` and common aliases), or None."""
-    cfg = getattr(model, "config", None)
-    for obj in (cfg, model):
+    for obj in (getattr(model, "config", None), model):
         for attr in ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "context_length"):
-            v = getattr(obj, attr, None) if obj is not None else None
+            v = getattr(obj, attr, None)
             if isinstance(v, int) and v > 0:
                 return v
     return None
@@ -101,11 +100,6 @@ def rolling_loglikelihood(model, tokens: Sequence[int], *, max_length: Optional[
     return total
 
 
-def _supports_greedy_generate(model) -> bool:
-    gen = getattr(model, "generate", None)
-    return gen is not None and "greedy" in inspect.signature(gen).parameters
-
-
 @torch.no_grad()
 def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
                     max_length: Optional[int] = None) -> list[int]:
@@ -123,7 +117,7 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, *, stop_i
     if max_new_tokens <= 0:
         return []
     idx = torch.tensor(prompt, device=device)[None]
-    if _supports_greedy_generate(model):
+    if "greedy" in inspect.signature(getattr(model, "generate", lambda: None)).parameters:
         out = model.generate(idx, max_new_tokens, greedy=True)[0, len(prompt):].tolist()
     else:
         out = []

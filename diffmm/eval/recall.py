@@ -29,10 +29,11 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
 from diffmm.data.recall import IGNORE, RecallBatch, RecallTask, eval_batches, task_grid
 from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
-from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.common import EvalError, markdown_table, model_device
 from diffmm.eval.lm_utils import lm_logits
 from diffmm.eval.plots import save_figure
 
@@ -108,16 +109,6 @@ def attention_mass(model: torch.nn.Module, batch: RecallBatch, *, chunk: int = 8
     return {k: np.sum(v, axis=0) for k, v in out.items()}
 
 
-def answer_of_net(attention: dict) -> Optional[float]:
-    """``answer / net`` of an attention summary: the fraction of what is left after cancellation that lands on
-    the answer (= the answer share of a softmax row; the needle test's row-sum normalisation). None when the
-    net share is not positive."""
-    net = attention.get("net")
-    if not net or net <= 0 or attention.get("answer") is None:
-        return None
-    return float(attention["answer"] / net)
-
-
 @dataclass
 class TaskResult:
     """Scores of one setting."""
@@ -158,7 +149,9 @@ class RecallResult:
         keys = (*PARTS, "net")
         per_layer = {p: np.mean([t.attention[p] for t in with_att], axis=0).tolist() for p in keys}
         out = {"retrieval_layer": layer, **{p: per_layer[p][layer] for p in keys}, "per_layer": per_layer}
-        out["answer_of_net"] = answer_of_net(out)
+        # the fraction of what is left after cancellation that lands on the answer (= the answer share of a softmax
+        # row; the needle test's row-sum normalisation); None when the net share is not positive
+        out["answer_of_net"] = float(out["answer"] / out["net"]) if out["net"] > 0 else None
         return out
 
     def accuracy_by(self, key: str) -> dict[int, float]:
@@ -220,7 +213,7 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    bar = progress(total=len(tasks) * examples, desc="recall", enable=show_progress, unit="seq")
+    bar = tqdm(total=len(tasks) * examples, desc="recall", disable=not show_progress, unit="seq")
     results = []
     try:
         for task in tasks:
