@@ -41,29 +41,14 @@ PARTS = ("answer", "distractor_pairs", "rest")
 log = logging.getLogger("diffmm.eval")
 
 
-def answer_logits(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits (M, V) fp32, answers (M,))`` at the M positions whose target is not ``IGNORE``.
-
-    With ``model.forward_hidden`` and ``model.lm_head`` (:class:`~diffmm.models.lm.DiffLM`) the LM head
-    runs on the answer positions only; other LMs give full logits (a tensor, a tuple starting with them,
-    or an object with ``.logits``).
-    """
-    mask = targets != IGNORE  # (B, T)
-    if hasattr(model, "forward_hidden") and hasattr(model, "lm_head"):
-        logits = model.lm_head(model.forward_hidden(inputs)[mask])  # (M, V)
-    else:
-        logits = lm_logits(model, inputs)[mask]
-    return logits.float(), targets[mask]
-
-
 @torch.no_grad()
 def recall_hits(model: torch.nn.Module, batch: RecallBatch) -> torch.Tensor:
     """Bool (B, Q): whether each query of ``batch`` is answered (argmax = its value), in query order."""
     device = model_device(model)
-    logits, answers = answer_logits(model, batch.inputs.to(device), batch.targets.to(device))
+    mask = (batch.targets != IGNORE).to(device)  # (B, T): the answer positions
+    hits = lm_logits(model, batch.inputs.to(device))[mask].argmax(-1) == batch.targets.to(device)[mask]  # (B*Q,)
     # targets are set at query_pos only and query_pos ascends, so the masked order is (b, q) row-major
-    return (logits.argmax(-1) == answers).view(len(batch), -1).cpu()
+    return hits.view(len(batch), -1).cpu()
 
 
 def part_masks(batch: RecallBatch) -> dict[str, torch.Tensor]:
