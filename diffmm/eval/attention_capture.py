@@ -135,8 +135,9 @@ class AttentionRecorder:
 
     def __init__(self, model: nn.Module, include: Callable[[str], bool] | None = None,
                  on_record: Callable[[AttentionRecord], None] | None = None) -> None:
-        self.model, self.include, self.on_record = model, include, on_record
+        self.model, self.include = model, include
         self.records: list[AttentionRecord] = []
+        self._emit = on_record if on_record is not None else self.records.append
         self.layers: list[tuple[str, nn.Module, str]] = []
         self._handles: list[Any] = []
         self._skipped_cache = False
@@ -179,12 +180,6 @@ class AttentionRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def _emit(self, rec: AttentionRecord) -> None:
-        if self.on_record is not None:
-            self.on_record(rec)
-        else:
-            self.records.append(rec)
 
     # ---- diffmm layers: hooks on q_proj / k_proj and on the layer
     def _hook_diffmm(self, name: str, m: nn.Module, kind: str) -> None:
