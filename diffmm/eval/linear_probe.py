@@ -24,15 +24,14 @@ from diffmm.eval.zeroshot import encode_images
 
 
 @torch.no_grad()
-def extract_features(model, source: Iterable, *, precision: str = "auto", normalize: bool = True,
-                     show_progress: bool = True, desc: str = "features", max_batches: Optional[int] = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Image features (N, D) float32 and labels (N,) of a labelled image source (first ``max_batches`` batches)."""
+def extract_features(model, source: Iterable, *, precision: str = "auto", show_progress: bool = True,
+                     desc: str = "features", max_batches: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    """L2-normalised image features (N, D) float32 and labels (N,) of a labelled image source (first
+    ``max_batches`` batches)."""
     feats, labels = [], []
     bar = tqdm(total=getattr(source, "num_samples", None), desc=desc, disable=not show_progress, unit="img")
     for images, y in itertools.islice(source, max_batches):
-        f = encode_images(model, images, precision=precision) if normalize else model.encode_image(images).float()
-        feats.append(f.cpu().numpy().astype(np.float32))
+        feats.append(encode_images(model, images, precision=precision).cpu().numpy().astype(np.float32))
         labels.append(y.numpy())
         bar.update(len(y))
     bar.close()

@@ -189,8 +189,8 @@ class NeedleResult:
 
 
 @torch.no_grad()
-def answer_attention(model, tokens: Sequence[int], span: tuple[int, int], *, query_pos: int = -1) -> dict:
-    """Share of attention of position ``query_pos`` on ``tokens[span[0]:span[1]]``.
+def answer_attention(model, tokens: Sequence[int], span: tuple[int, int]) -> dict:
+    """Share of attention of the last position on ``tokens[span[0]:span[1]]``.
 
     Per layer and head, ``share = sum(a[span]) / sum(a)`` where ``a`` is the head's attention row
     (``A``; ``A1 - lambda*A2`` for DIFF layers, whose rows sum to 1 - lambda). Returns the mean over
@@ -200,7 +200,7 @@ def answer_attention(model, tokens: Sequence[int], span: tuple[int, int], *, que
     per_layer: list[float] = []
 
     def take(rec: AttentionRecord) -> None:
-        row = rec.select_queries(slice(query_pos, None) if query_pos == -1 else slice(query_pos, query_pos + 1))
+        row = rec.select_queries(slice(-1, None))
         a = row.maps()[0, :, 0]  # (h, S)
         share = a[:, span[0]:span[1]].sum(-1) / a.sum(-1)
         per_layer.append(float(share.mean()))
@@ -228,7 +228,7 @@ def multi_needle(model, tokenizer, haystack: Sequence[str], cfg: NeedleConfig, *
     att: dict[float, float] = {}
     t0 = time.perf_counter()
     bar = tqdm(total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles", disable=not show_progress,
-                   unit="prompt")
+               unit="prompt")
     for depth in cfg.depths:
         hits, shares = [], []
         for p in (p for _ in range(cfg.trials) for p in builder.trial(depth, rng)):

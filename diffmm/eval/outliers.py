@@ -98,7 +98,7 @@ def activation_outliers(model, batches: Iterable[torch.Tensor], *, max_batches: 
         handles = [blocks[n.rsplit(".", 1)[0]].register_forward_hook(on_block) for n, _, _ in rec.layers if "." in n]
         try:
             for batch in tqdm(itertools.islice(batches, max_batches), total=max_batches, desc="outliers",
-                                  disable=not show_progress, unit="batch"):
+                              disable=not show_progress, unit="batch"):
                 idx = (batch[0] if isinstance(batch, (tuple, list)) else batch).to(device)
                 lm_logits(model, idx)
                 tokens += idx.numel()
