@@ -135,8 +135,9 @@ class AttentionRecorder:
 
     def __init__(self, model: nn.Module, include: Callable[[str], bool] | None = None,
                  on_record: Callable[[AttentionRecord], None] | None = None) -> None:
-        self.model, self.include, self.on_record = model, include, on_record
+        self.model, self.include = model, include
         self.records: list[AttentionRecord] = []
+        self._emit = on_record if on_record is not None else self.records.append
         self.layers: list[tuple[str, nn.Module, str]] = []
         self._handles: list[Any] = []
         self._skipped_cache = False
@@ -160,8 +161,8 @@ class AttentionRecorder:
 
     def __enter__(self) -> "AttentionRecorder":
         hooks = {"standard": self._hook_diffmm, "diff": self._hook_diffmm, "diff_v2": self._hook_diffmm,
-                 "torch_mha": self._hook_torch_mha, "open_clip": self._hook_open_clip, "timm": self._hook_timm,
-                 "timm_diff": self._hook_timm}
+                 "torch_mha": self._hook_torch_mha, "open_clip": self._hook_fused_qkv,
+                 "timm": self._hook_fused_qkv, "timm_diff": self._hook_fused_qkv}
         inside: list[str] = []
         for name, m in self.model.named_modules():
             kind = self.layer_kind(m)
@@ -179,12 +180,6 @@ class AttentionRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def _emit(self, rec: AttentionRecord) -> None:
-        if self.on_record is not None:
-            self.on_record(rec)
-        else:
-            self.records.append(rec)
 
     # ---- diffmm layers: hooks on q_proj / k_proj and on the layer
     def _hook_diffmm(self, name: str, m: nn.Module, kind: str) -> None:
@@ -272,44 +267,28 @@ class AttentionRecorder:
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
-    # ---- open_clip's own Attention
-    def _hook_open_clip(self, name: str, m: nn.Module, kind: str) -> None:
-        def pre(mod, args, kwargs):
-            if mod.logit_scale is not None:
-                raise NotImplementedError(f"{name}: scaled-cosine attention is not supported by AttentionRecorder")
-            x = args[0] if args else kwargs["x"]
-            am = args[1] if len(args) > 1 else kwargs.get("attn_mask")
-            B, N, _ = x.shape
-            H, d = mod.num_heads, mod.head_dim
-            q, k, _ = F.linear(x, mod.in_proj_weight, mod.in_proj_bias).chunk(3, dim=-1)
-            q = _fp(mod.ln_q(q.reshape(B, N, H, d).transpose(1, 2)))
-            k = _fp(mod.ln_k(k.reshape(B, N, H, d).transpose(1, 2)))
-            self._emit(AttentionRecord(name, "standard", q, k, mod.scale, torch.arange(H, device=q.device),
-                                       _additive(am, true_means_masked=True)))
-
-        self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-
-    # ---- timm Attention / DiffAttention: q/k recomputed from the layer's weights
-    def _hook_timm(self, name: str, m: nn.Module, kind: str) -> None:
+    # ---- open_clip's own Attention, timm's Attention / DiffAttention: q/k recomputed from the fused qkv weights
+    def _hook_fused_qkv(self, name: str, m: nn.Module, kind: str) -> None:
         def pre(mod, args, kwargs):
             x = args[0] if args else kwargs["x"]
             am = args[1] if len(args) > 1 else kwargs.get("attn_mask")
-            is_causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
             B, N, _ = x.shape
-            H, d = mod.num_heads, mod.head_dim
-            if kind == "timm_diff":
-                q, k, _ = mod.qkv(x).chunk(3, dim=2)
-                q = _fp(mod.q_norm(q.reshape(B, N, 2 * H, d).transpose(1, 2)))
-                k = _fp(mod.k_norm(k.reshape(B, N, 2 * H, d).transpose(1, 2)))
-                kv_index, lam = torch.arange(2 * H), _fp(mod._compute_lambda())
+            H = 2 * mod.num_heads if kind == "timm_diff" else mod.num_heads  # query/key maps
+            if kind == "open_clip":
+                if mod.logit_scale is not None:
+                    raise NotImplementedError(f"{name}: scaled-cosine attention is not supported by AttentionRecorder")
+                q, k, _ = F.linear(x, mod.in_proj_weight, mod.in_proj_bias).chunk(3, dim=-1)
+                q_norm, k_norm = mod.ln_q, mod.ln_k
             else:
-                qkv = mod.qkv(x).reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4)
-                q, k = _fp(mod.q_norm(qkv[0])), _fp(mod.k_norm(qkv[1]))
-                kv_index, lam = torch.arange(H), None
-            mask = _additive(am, true_means_masked=False)
-            if is_causal:
+                q, k, _ = mod.qkv(x).chunk(3, dim=-1)
+                q_norm, k_norm = mod.q_norm, mod.k_norm
+            q = _fp(q_norm(q.reshape(B, N, H, mod.head_dim).transpose(1, 2)))  # (B, H, N, d)
+            k = _fp(k_norm(k.reshape(B, N, H, mod.head_dim).transpose(1, 2)))
+            mask = _additive(am, true_means_masked=kind == "open_clip")
+            if kind != "open_clip" and (args[2] if len(args) > 2 else kwargs.get("is_causal", False)):
                 mask = _add(mask, _causal(N, N, q.device))
+            lam = _fp(mod._compute_lambda()) if kind == "timm_diff" else None
             self._emit(AttentionRecord(name, "diff" if kind == "timm_diff" else "standard", q, k, float(mod.scale),
-                                       kv_index.to(q.device), mask, lam))
+                                       torch.arange(H, device=q.device), mask, lam))
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))

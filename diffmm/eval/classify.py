@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from diffmm.eval.classnames import Template
-from diffmm.eval.common import markdown_table, model_device, progress
-from diffmm.eval.image_sources import ImageListSource
+from diffmm.eval.common import EvalError, markdown_table, model_device
+from diffmm.eval.image_sources import ImageFiles, MapSource
 from diffmm.eval.zeroshot import build_zero_shot_classifier, encode_images
 
 SHOW_ROWS = 20  # rows printed to the terminal (all of them go to the output file)
@@ -104,15 +105,19 @@ def classify_images(model, tokenizer, preprocess, files: Sequence[str], classnam
                                             precision="fp32" if precision == "auto" and device.type != "cuda"
                                             else precision).to(device)  # (D, C)
     scale = logit_scale_of(model)
-    source = ImageListSource(files, preprocess, batch_size=batch_size, num_workers=num_workers)
+    if not files:
+        raise EvalError("no images given")
+    files = list(files)  # unreadable images are skipped, counted in source.skipped and logged once
+    source = MapSource(ImageFiles([(f, i) for i, f in enumerate(files)], preprocess), batch_size, num_workers,
+                       name="images")
     preds = Predictions(list(classnames))
-    bar = progress(total=len(source.files), desc="classify", enable=show_progress, unit="img")
+    bar = tqdm(total=len(files), desc="classify", disable=not show_progress, unit="img")
     t0 = time.perf_counter()
     for images, idx in itertools.islice(source, max_batches):
         probs = (scale * encode_images(model, images, precision=precision) @ classifier).softmax(dim=-1)  # (B, C)
         top = probs.topk(max(1, min(top_k, len(classnames))), dim=-1)
         for i, vals, inds in zip(idx.tolist(), top.values.tolist(), top.indices.tolist()):
-            preds.files.append(source.files[i])
+            preds.files.append(files[i])
             preds.labels.append([classnames[j] for j in inds])
             preds.probs.append(vals)
         bar.update(len(idx))

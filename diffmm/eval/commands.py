@@ -424,10 +424,9 @@ def plot_needle(*, result: list[str], out: str) -> str:
         name, _, path = spec.rpartition("=")
         with open(path) as f:
             data = json.load(f)
-        for L, r in data.get("runs", {"": data}).items():
-            results[f"{name or path}{' @ ' + L if L else ''}"] = {
-                "attention": {float(k): v for k, v in r.get("attention_by_depth", {}).items()},
-                "accuracy": {float(k): v for k, v in r.get("accuracy_by_depth", {}).items()}}
+        for L, r in data.get("runs", {"": data}).items():  # depth keys are strings in JSON; the plot reads floats
+            results[f"{name or path}{' @ ' + L if L else ''}"] = {"attention": r.get("attention_by_depth", {}),
+                                                                  "accuracy": r.get("accuracy_by_depth", {})}
     print(f"wrote {plot_needle_attention(results, out)}")
     return out
 

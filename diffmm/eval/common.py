@@ -1,13 +1,11 @@
-"""Shared helpers of the evaluations: the error type, devices, precision, progress bars and markdown tables."""
+"""Shared helpers of the evaluations: the error type, devices, precision and markdown tables."""
 from __future__ import annotations
 
 import contextlib
 import math
-import sys
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 
 class EvalError(ValueError):
@@ -33,13 +31,6 @@ def autocast(device: torch.device, precision: str = "auto"):
     else:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None, desc: str = "",
-             enable: bool = True, unit: str = "it") -> tqdm:
-    """A tqdm bar on stderr; disabled, it still iterates and takes ``update`` / ``close`` silently."""
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-                disable=not enable)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".2f") -> str:

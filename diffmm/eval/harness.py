@@ -70,12 +70,6 @@ class DiffmmLM(LM or object):  # type: ignore[misc]
         self.max_length = int(max_length or context_limit(model) or 2048)
         self.max_gen_toks = int(max_gen_toks)
 
-    @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None) -> "DiffmmLM":
-        args = dict(kv.split("=", 1) for kv in arg_string.split(",") if kv)
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls(**{**extra, **args})
-
     # ---- helpers
     @property
     def eot_token_id(self) -> int:

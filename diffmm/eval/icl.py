@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from diffmm.eval.common import EvalError, markdown_table, progress
+from diffmm.eval.common import EvalError, markdown_table
 from diffmm.eval.lm_utils import context_limit, score_continuations
 
 Example = tuple[str, str]  # (text, label)
@@ -138,7 +139,7 @@ def icl_order_robustness(model, tokenizer, train: Sequence[Example], test: Seque
     limit = context_limit(model)
     accs = []
     t0 = time.perf_counter()
-    for order in progress(orders, desc="ICL orders", enable=show_progress, unit="order"):
+    for order in tqdm(orders, desc="ICL orders", disable=not show_progress, unit="order"):
         prefix = "".join(cfg.example_format.format(text=t, label=lab) for t, lab in order)
         contexts, conts = [], []
         for text, _ in test:

@@ -23,22 +23,6 @@ def _open(path: str) -> BinaryIO:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # type: ignore[return-value]
 
 
-def read_idx_header(path: str) -> tuple[np.dtype, tuple[int, ...], int]:
-    """(dtype, shape, header bytes) of an IDX file; one-line error if it is not one."""
-    if not os.path.isfile(path):
-        raise EvalError(f"IDX file not found: {path}")
-    try:
-        with _open(path) as f:
-            head = f.read(4)
-            if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _DTYPES:
-                raise EvalError(f"{path}: not an IDX file (bad magic {head.hex()})")
-            ndim = head[3]
-            dims = struct.unpack(f">{ndim}i", f.read(4 * ndim))
-    except (OSError, EOFError, struct.error) as e:
-        raise EvalError(f"{path}: cannot read the IDX header ({type(e).__name__}: {e})") from None
-    return _DTYPES[head[2]], tuple(dims), 4 + 4 * ndim
-
-
 class IdxArray:
     """Random access to the items (first-axis slices) of an IDX file without loading it.
 
@@ -46,8 +30,17 @@ class IdxArray:
     """
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.dtype, self.shape, self.offset = read_idx_header(path)
+        if not os.path.isfile(path):
+            raise EvalError(f"IDX file not found: {path}")
+        try:
+            with _open(path) as f:
+                head = f.read(4)
+                if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _DTYPES:
+                    raise EvalError(f"{path}: not an IDX file (bad magic {head.hex()})")
+                self.shape = struct.unpack(f">{head[3]}i", f.read(4 * head[3]))
+        except (OSError, EOFError, struct.error) as e:
+            raise EvalError(f"{path}: cannot read the IDX header ({type(e).__name__}: {e})") from None
+        self.path, self.dtype, self.offset = path, _DTYPES[head[2]], 4 + 4 * head[3]
         self.item_shape = self.shape[1:]
         self.item_bytes = int(np.prod(self.item_shape, dtype=np.int64)) * self.dtype.itemsize
         self._f: BinaryIO | None = None
@@ -82,11 +75,6 @@ class IdxArray:
         if len(data) < n:
             raise EvalError(f"{self.path}: {len(data)} data bytes; the header promises {n} (truncated IDX file)")
         return np.frombuffer(data[:n], dtype=self.dtype).reshape(self.shape)
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
 
 
 def write_idx(path: str, array: np.ndarray) -> str:

@@ -6,7 +6,8 @@ Labelled (``(images float (B,3,S,S), labels long (B,))`` batches, for zero-shot 
 * :class:`IdxSource`: IDX image + label files (MNIST / Fashion-MNIST), read item by item.
 * :class:`ShardLabelSource`: webdataset shards with a label field (``cls`` or ``json:NAME``).
 
-Unlabelled (for ``diffmm classify``): :class:`ImageListSource` over the files of :func:`expand_image_inputs`.
+Unlabelled (for ``diffmm classify``): a :class:`MapSource` of :class:`ImageFiles` over the files of
+:func:`expand_image_inputs`, whose labels are the indices of the files.
 
 Each counts skipped (unreadable) images in :attr:`skipped`; ``num_samples`` (if known) sizes the progress bar.
 """
@@ -225,7 +226,7 @@ def expand_image_inputs(specs: Sequence[str]) -> list[str]:
     (sorted; files with an image extension), glob patterns (``**`` allowed) expanded and sorted.
 
     A spec that matches nothing is a one-line error naming it. Files are not opened here: unreadable ones are
-    skipped and counted by :class:`ImageListSource`.
+    skipped and counted by the :class:`MapSource` that reads them.
     """
     out: dict[str, None] = {}
     for spec in specs:
@@ -245,21 +246,3 @@ def expand_image_inputs(specs: Sequence[str]) -> list[str]:
         out.update(dict.fromkeys(found))
     return list(out)
 
-
-class ImageListSource(MapSource):
-    """Unlabelled images from a list of files: yields ``(images (B,3,S,S), indices (B,))``, where ``indices``
-    point into :attr:`files` (unreadable images are skipped, counted in :attr:`skipped` and logged once).
-
-    Args:
-        files: image paths (see :func:`expand_image_inputs`).
-        transform: PIL image -> tensor (the model's eval preprocess).
-        batch_size: images per batch.
-        num_workers: DataLoader workers.
-    """
-
-    def __init__(self, files: Sequence[str], transform: Callable, batch_size: int = 64, num_workers: int = 2) -> None:
-        if not files:
-            raise EvalError("no images given")
-        self.files = list(files)
-        super().__init__(ImageFiles([(f, i) for i, f in enumerate(self.files)], transform), batch_size, num_workers,
-                         name="images")

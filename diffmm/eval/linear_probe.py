@@ -17,21 +17,21 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
-from diffmm.eval.common import EvalError, markdown_table, progress
+from diffmm.eval.common import EvalError, markdown_table
 from diffmm.eval.zeroshot import encode_images
 
 
 @torch.no_grad()
-def extract_features(model, source: Iterable, *, precision: str = "auto", normalize: bool = True,
-                     show_progress: bool = True, desc: str = "features", max_batches: Optional[int] = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Image features (N, D) float32 and labels (N,) of a labelled image source (first ``max_batches`` batches)."""
+def extract_features(model, source: Iterable, *, precision: str = "auto", show_progress: bool = True,
+                     desc: str = "features", max_batches: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    """L2-normalised image features (N, D) float32 and labels (N,) of a labelled image source (first
+    ``max_batches`` batches)."""
     feats, labels = [], []
-    bar = progress(total=getattr(source, "num_samples", None), desc=desc, enable=show_progress, unit="img")
+    bar = tqdm(total=getattr(source, "num_samples", None), desc=desc, disable=not show_progress, unit="img")
     for images, y in itertools.islice(source, max_batches):
-        f = encode_images(model, images, precision=precision) if normalize else model.encode_image(images).float()
-        feats.append(f.cpu().numpy().astype(np.float32))
+        feats.append(encode_images(model, images, precision=precision).cpu().numpy().astype(np.float32))
         labels.append(y.numpy())
         bar.update(len(y))
     bar.close()
@@ -98,7 +98,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, t
 
     def run(grid):
         clf = None  # ascending C, each fit warm-started from the previous solution (same result, fewer iterations)
-        for C in progress(sorted(float(c) for c in grid), desc="C sweep", enable=show_progress):
+        for C in tqdm(sorted(float(c) for c in grid), desc="C sweep", disable=not show_progress):
             clf = _fit(fit_x, fit_y, C, max_iter, seed, clf)
             if C not in sweep:
                 sweep[C] = _accuracy(clf, val_x, val_y)[0]

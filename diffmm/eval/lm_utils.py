@@ -27,10 +27,9 @@ def lm_logits(model, idx: torch.Tensor) -> torch.Tensor:
 
 def context_limit(model) -> Optional[int]:
     """The longest sequence the model takes (``config.block_size`` and common aliases), or None."""
-    cfg = getattr(model, "config", None)
-    for obj in (cfg, model):
+    for obj in (getattr(model, "config", None), model):
         for attr in ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "context_length"):
-            v = getattr(obj, attr, None) if obj is not None else None
+            v = getattr(obj, attr, None)
             if isinstance(v, int) and v > 0:
                 return v
     return None
@@ -86,24 +85,14 @@ def rolling_loglikelihood(model, tokens: Sequence[int], *, max_length: Optional[
     The first token is predicted from ``first_token`` (e.g. eos) when given, else it is not scored.
     Each window after the first sees as much earlier text as fits (up to ``max_length`` tokens).
     """
-    device = model_device(model)
     max_length = max_length or context_limit(model) or 1024
     seq = ([first_token] if first_token is not None else []) + list(tokens)
-    total, pos = 0.0, 1  # pos: index in seq of the next token to score
-    while pos < len(seq):
+    contexts, continuations = [], []
+    for pos in range(1, len(seq), max_length):  # pos: index in seq of the first token the window scores
         end = min(pos + max_length, len(seq))
-        start = max(0, end - 1 - max_length)  # window input seq[start:end-1] has <= max_length tokens
-        inp = torch.tensor(seq[start:end - 1], device=device)[None]
-        logp = F.log_softmax(lm_logits(model, inp), dim=-1)[0]  # (W, V)
-        tgt = torch.tensor(seq[pos:end], device=device)
-        total += float(logp[pos - 1 - start:end - 1 - start].gather(1, tgt[:, None]).sum())
-        pos = end
-    return total
-
-
-def _supports_greedy_generate(model) -> bool:
-    gen = getattr(model, "generate", None)
-    return gen is not None and "greedy" in inspect.signature(gen).parameters
+        contexts.append(seq[max(0, end - 1 - max_length):pos])  # the window input seq[start:end-1] has <= max_length
+        continuations.append(seq[pos:end])
+    return float(sum(s for s, _ in score_continuations(model, contexts, continuations, max_length=max_length)))
 
 
 @torch.no_grad()
@@ -123,7 +112,7 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, *, stop_i
     if max_new_tokens <= 0:
         return []
     idx = torch.tensor(prompt, device=device)[None]
-    if _supports_greedy_generate(model):
+    if "greedy" in inspect.signature(getattr(model, "generate", lambda: None)).parameters:
         out = model.generate(idx, max_new_tokens, greedy=True)[0, len(prompt):].tolist()
     else:
         out = []

@@ -21,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
-from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.common import EvalError, markdown_table, model_device
 from diffmm.eval.lm_utils import context_limit, greedy_generate
 
 CITIES = ("Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Dublin", "Cairo", "Quito", "Vienna", "Manila", "Dakar",
@@ -187,14 +188,9 @@ class NeedleResult:
                 + markdown_table(["", *[f"depth {100 * dp:.0f}%" for dp in depths], "mean"], rows))
 
 
-def _answered(tokenizer, generated: list[int], value: str) -> bool:
-    text = tokenizer.decode(generated) if generated else ""
-    return value in re.sub(r"\s+", "", text)
-
-
 @torch.no_grad()
-def answer_attention(model, tokens: Sequence[int], span: tuple[int, int], *, query_pos: int = -1) -> dict:
-    """Share of attention of position ``query_pos`` on ``tokens[span[0]:span[1]]``.
+def answer_attention(model, tokens: Sequence[int], span: tuple[int, int]) -> dict:
+    """Share of attention of the last position on ``tokens[span[0]:span[1]]``.
 
     Per layer and head, ``share = sum(a[span]) / sum(a)`` where ``a`` is the head's attention row
     (``A``; ``A1 - lambda*A2`` for DIFF layers, whose rows sum to 1 - lambda). Returns the mean over
@@ -204,7 +200,7 @@ def answer_attention(model, tokens: Sequence[int], span: tuple[int, int], *, que
     per_layer: list[float] = []
 
     def take(rec: AttentionRecord) -> None:
-        row = rec.select_queries(slice(query_pos, None) if query_pos == -1 else slice(query_pos, query_pos + 1))
+        row = rec.select_queries(slice(-1, None))
         a = row.maps()[0, :, 0]  # (h, S)
         share = a[:, span[0]:span[1]].sum(-1) / a.sum(-1)
         per_layer.append(float(share.mean()))
@@ -231,13 +227,13 @@ def multi_needle(model, tokenizer, haystack: Sequence[str], cfg: NeedleConfig, *
     acc: dict[float, float] = {}
     att: dict[float, float] = {}
     t0 = time.perf_counter()
-    bar = progress(total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles", enable=show_progress,
-                   unit="prompt")
+    bar = tqdm(total=len(cfg.depths) * cfg.trials * cfg.num_queried, desc="needles", disable=not show_progress,
+               unit="prompt")
     for depth in cfg.depths:
         hits, shares = [], []
         for p in (p for _ in range(cfg.trials) for p in builder.trial(depth, rng)):
-            hits.append(_answered(tokenizer, greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop),
-                                  p.value))
+            answer = greedy_generate(model, p.tokens, cfg.max_new_tokens, stop_ids=stop)
+            hits.append(p.value in re.sub(r"\s+", "", tokenizer.decode(answer) if answer else ""))
             if measure_attention:
                 shares.append(answer_attention(model, p.tokens, p.span)["answer"])
             bar.update(1)

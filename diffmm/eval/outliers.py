@@ -15,9 +15,10 @@ import time
 from typing import Iterable, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
-from diffmm.eval.common import markdown_table, model_device, progress
+from diffmm.eval.common import markdown_table, model_device
 from diffmm.eval.lm_utils import lm_logits
 
 RANKS = (1, 2, 3, 10, 100)
@@ -71,17 +72,6 @@ class MagnitudeStats:
         return out
 
 
-def _block_of(model: torch.nn.Module, attn_names: list[str]) -> list[tuple[str, torch.nn.Module]]:
-    """The parent module (the block) of each attention layer."""
-    mods = dict(model.named_modules())
-    out = []
-    for name in attn_names:
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        if parent and parent in mods:
-            out.append((parent, mods[parent]))
-    return out
-
-
 @torch.no_grad()
 def activation_outliers(model, batches: Iterable[torch.Tensor], *, max_batches: Optional[int] = None,
                         sample_size: int = 1 << 22, show_progress: bool = True) -> dict:
@@ -104,10 +94,11 @@ def activation_outliers(model, batches: Iterable[torch.Tensor], *, max_batches: 
     t0 = time.perf_counter()
     tokens = 0
     with AttentionRecorder(model, on_record=on_attention) as rec:
-        handles = [m.register_forward_hook(on_block) for _, m in _block_of(model, [n for n, _, _ in rec.layers])]
+        blocks = dict(model.named_modules())  # the parent module (the block) of each attention layer
+        handles = [blocks[n.rsplit(".", 1)[0]].register_forward_hook(on_block) for n, _, _ in rec.layers if "." in n]
         try:
-            for batch in progress(itertools.islice(batches, max_batches), total=max_batches, desc="outliers",
-                                  enable=show_progress, unit="batch"):
+            for batch in tqdm(itertools.islice(batches, max_batches), total=max_batches, desc="outliers",
+                              disable=not show_progress, unit="batch"):
                 idx = (batch[0] if isinstance(batch, (tuple, list)) else batch).to(device)
                 lm_logits(model, idx)
                 tokens += idx.numel()

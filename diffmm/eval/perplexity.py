@@ -12,10 +12,11 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from diffmm.data.stream import ShardLoader
 from diffmm.data.text import TextDataset
-from diffmm.eval.common import autocast, markdown_table, model_device, progress
+from diffmm.eval.common import autocast, markdown_table, model_device
 from diffmm.eval.lm_utils import lm_logits
 
 
@@ -27,7 +28,7 @@ def evaluate_perplexity(model, batches: Iterable[torch.Tensor], *, precision: st
     device = model_device(model)
     nll, tokens, rows = 0.0, 0, 0
     t0 = time.perf_counter()
-    bar = progress(total=total, desc="perplexity", enable=show_progress, unit="row")
+    bar = tqdm(total=total, desc="perplexity", disable=not show_progress, unit="row")
     for batch in itertools.islice(batches, max_batches):
         batch = (batch[0] if isinstance(batch, (tuple, list)) else batch).to(device)
         inputs, targets = batch[:, :-1], batch[:, 1:]

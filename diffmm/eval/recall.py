@@ -29,10 +29,11 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
 from diffmm.data.recall import IGNORE, RecallBatch, RecallTask, eval_batches, task_grid
 from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
-from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.common import EvalError, markdown_table, model_device
 from diffmm.eval.lm_utils import lm_logits
 from diffmm.eval.plots import save_figure
 
@@ -40,29 +41,14 @@ PARTS = ("answer", "distractor_pairs", "rest")
 log = logging.getLogger("diffmm.eval")
 
 
-def answer_logits(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits (M, V) fp32, answers (M,))`` at the M positions whose target is not ``IGNORE``.
-
-    With ``model.forward_hidden`` and ``model.lm_head`` (:class:`~diffmm.models.lm.DiffLM`) the LM head
-    runs on the answer positions only; other LMs give full logits (a tensor, a tuple starting with them,
-    or an object with ``.logits``).
-    """
-    mask = targets != IGNORE  # (B, T)
-    if hasattr(model, "forward_hidden") and hasattr(model, "lm_head"):
-        logits = model.lm_head(model.forward_hidden(inputs)[mask])  # (M, V)
-    else:
-        logits = lm_logits(model, inputs)[mask]
-    return logits.float(), targets[mask]
-
-
 @torch.no_grad()
 def recall_hits(model: torch.nn.Module, batch: RecallBatch) -> torch.Tensor:
     """Bool (B, Q): whether each query of ``batch`` is answered (argmax = its value), in query order."""
     device = model_device(model)
-    logits, answers = answer_logits(model, batch.inputs.to(device), batch.targets.to(device))
+    mask = (batch.targets != IGNORE).to(device)  # (B, T): the answer positions
+    hits = lm_logits(model, batch.inputs.to(device))[mask].argmax(-1) == batch.targets.to(device)[mask]  # (B*Q,)
     # targets are set at query_pos only and query_pos ascends, so the masked order is (b, q) row-major
-    return (logits.argmax(-1) == answers).view(len(batch), -1).cpu()
+    return hits.view(len(batch), -1).cpu()
 
 
 def part_masks(batch: RecallBatch) -> dict[str, torch.Tensor]:
@@ -108,16 +94,6 @@ def attention_mass(model: torch.nn.Module, batch: RecallBatch, *, chunk: int = 8
     return {k: np.sum(v, axis=0) for k, v in out.items()}
 
 
-def answer_of_net(attention: dict) -> Optional[float]:
-    """``answer / net`` of an attention summary: the fraction of what is left after cancellation that lands on
-    the answer (= the answer share of a softmax row; the needle test's row-sum normalisation). None when the
-    net share is not positive."""
-    net = attention.get("net")
-    if not net or net <= 0 or attention.get("answer") is None:
-        return None
-    return float(attention["answer"] / net)
-
-
 @dataclass
 class TaskResult:
     """Scores of one setting."""
@@ -158,7 +134,9 @@ class RecallResult:
         keys = (*PARTS, "net")
         per_layer = {p: np.mean([t.attention[p] for t in with_att], axis=0).tolist() for p in keys}
         out = {"retrieval_layer": layer, **{p: per_layer[p][layer] for p in keys}, "per_layer": per_layer}
-        out["answer_of_net"] = answer_of_net(out)
+        # the fraction of what is left after cancellation that lands on the answer (= the answer share of a softmax
+        # row; the needle test's row-sum normalisation); None when the net share is not positive
+        out["answer_of_net"] = float(out["answer"] / out["net"]) if out["net"] > 0 else None
         return out
 
     def accuracy_by(self, key: str) -> dict[int, float]:
@@ -220,7 +198,7 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    bar = progress(total=len(tasks) * examples, desc="recall", enable=show_progress, unit="seq")
+    bar = tqdm(total=len(tasks) * examples, desc="recall", disable=not show_progress, unit="seq")
     results = []
     try:
         for task in tasks:

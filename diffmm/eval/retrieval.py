@@ -14,10 +14,11 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from diffmm.data.decode import decode_image
 from diffmm.data.stream import ShardLoader, ShardStream
-from diffmm.eval.common import EvalError, markdown_table, model_device, progress
+from diffmm.eval.common import EvalError, markdown_table, model_device
 from diffmm.eval.zeroshot import encode_images, encode_texts
 
 
@@ -69,25 +70,25 @@ class ImageCaptionsDataset(ShardStream):
         return torch.stack([im for im, _ in items]), [c for _, c in items]
 
 
+def _first_hit_rank(queries: torch.Tensor, keys: torch.Tensor, hit_of, kmax: int, chunk: int) -> torch.Tensor:
+    """Per query, the rank (0 = first) of its best-ranked matching key among the ``kmax`` most similar ones
+    (``kmax`` when none is there); ``hit_of(top (c, kmax), start)`` marks the matching keys."""
+    ranks = torch.empty(queries.shape[0], dtype=torch.long)
+    for s in range(0, queries.shape[0], chunk):
+        top = (queries[s:s + chunk] @ keys.T).topk(kmax, dim=1).indices  # (c, kmax)
+        hit = hit_of(top, s)
+        ranks[s:s + chunk] = torch.where(hit.any(1), hit.float().argmax(1).long(), kmax)
+    return ranks
+
+
 def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, text_to_image: torch.Tensor,
                 ks: Sequence[int] = (1, 5, 10), chunk: int = 1024) -> dict[str, float]:
     """Recall@K both ways from normalised embeddings; ``text_to_image[t]`` = index of caption t's image."""
-    n_img, n_txt = image_emb.shape[0], text_emb.shape[0]
-    kmax_i, kmax_t = min(max(ks), n_img), min(max(ks), n_txt)
-    t2i_rank = torch.empty(n_txt, dtype=torch.long)  # rank of the right image for each caption (0 = first)
-    for s in range(0, n_txt, chunk):
-        sims = text_emb[s:s + chunk] @ image_emb.T  # (c, n_img)
-        top = sims.topk(kmax_i, dim=1).indices
-        hit = top == text_to_image[s:s + chunk, None]
-        t2i_rank[s:s + chunk] = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], kmax_i,
-                                                                                               dtype=torch.long))
-    i2t_rank = torch.empty(n_img, dtype=torch.long)  # best rank of any of the image's captions
-    for s in range(0, n_img, chunk):
-        sims = image_emb[s:s + chunk] @ text_emb.T  # (c, n_txt)
-        top = sims.topk(kmax_t, dim=1).indices
-        hit = text_to_image[top] == torch.arange(s, s + sims.shape[0])[:, None]
-        i2t_rank[s:s + chunk] = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], kmax_t,
-                                                                                               dtype=torch.long))
+    t2i_rank = _first_hit_rank(text_emb, image_emb, lambda top, s: top == text_to_image[s:s + chunk, None],
+                               min(max(ks), image_emb.shape[0]), chunk)  # rank of the right image of each caption
+    i2t_rank = _first_hit_rank(image_emb, text_emb,  # best rank of any of the image's captions
+                               lambda top, s: text_to_image[top] == torch.arange(s, s + len(top))[:, None],
+                               min(max(ks), text_emb.shape[0]), chunk)
     out = {}
     for k in ks:
         out[f"image_to_text_R@{k}"] = float((i2t_rank < k).float().mean())
@@ -104,7 +105,7 @@ def evaluate_retrieval(model, tokenizer, batches: Iterable[tuple[torch.Tensor, l
     imgs, txts, owner = [], [], []  # owner[t]: index of caption t's image
     n_img = 0
     t0 = time.perf_counter()
-    bar = progress(total=total, desc="retrieval", enable=show_progress, unit="img")
+    bar = tqdm(total=total, desc="retrieval", disable=not show_progress, unit="img")
     for images, captions in itertools.islice(batches, max_batches):
         imgs.append(encode_images(model, images, precision=precision).cpu())
         flat = [c for caps in captions for c in caps]

@@ -19,9 +19,10 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from diffmm.eval.classnames import Template, fill_template, get_templates
-from diffmm.eval.common import EvalError, autocast, markdown_table, model_device, progress
+from diffmm.eval.common import EvalError, autocast, markdown_table, model_device
 
 
 @torch.no_grad()
@@ -142,7 +143,7 @@ class ZeroShotResult:
 @torch.no_grad()
 def evaluate_zero_shot(model, classifier: torch.Tensor, source: Iterable, *, classnames: Sequence[str] | None = None,
                        topk: Sequence[int] = (1, 5), precision: str = "auto", show_progress: bool = True,
-                       total: int | None = None, max_batches: int | None = None) -> ZeroShotResult:
+                       max_batches: int | None = None) -> ZeroShotResult:
     """Stream ``(images, labels)`` batches through the model and count hits.
 
     Args:
@@ -163,8 +164,7 @@ def evaluate_zero_shot(model, classifier: torch.Tensor, source: Iterable, *, cla
     confusion = torch.zeros(C * C, dtype=torch.long)
     ks = sorted(set(topk))
     correct = dict.fromkeys(ks, 0)
-    bar = progress(total=total if total is not None else getattr(source, "num_samples", None), desc="zero-shot",
-                   enable=show_progress, unit="img")
+    bar = tqdm(total=getattr(source, "num_samples", None), desc="zero-shot", disable=not show_progress, unit="img")
     t0 = time.perf_counter()
     for images, labels in itertools.islice(source, max_batches):
         labels = labels.to(device)
