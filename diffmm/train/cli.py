@@ -83,13 +83,10 @@ class DiffmmCLI(LightningCLI):
         if path and path != "last":
             check_resume_file(os.fspath(path))
 
-    def _subcommand_config(self, config: Any) -> Any:
-        return config[self.subcommand] if self.subcommand else config
-
     def before_instantiate_classes(self) -> None:
         # Check shard paths before jsonargparse instantiates the data module: an error raised inside
         # instantiation comes back wrapped in a long "Union subtypes" report.
-        config = self._subcommand_config(self.config)
+        config = self.config[self.subcommand]
         init = getattr(config.get("data"), "init_args", None) or {}
         for key in ("train_shards", "val_shards", "test_shards", "predict_shards"):
             check_shard_spec(init.get(key) if hasattr(init, "get") else None, f"data.{key}")
@@ -103,12 +100,12 @@ class DiffmmCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not needed
-        ckpt = self._subcommand_config(self.config).get("ckpt_path")
+        ckpt = self.config[self.subcommand].get("ckpt_path")
         with resuming_from(os.fspath(ckpt) if ckpt and os.path.isfile(os.fspath(ckpt)) else None):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        config = self._subcommand_config(self.config_init)
+        config = self.config_init[self.subcommand]
         trainer = config["trainer"]
         root = trainer.get("default_root_dir") or os.getcwd()
         if config["checkpoint"].dirpath is None:
@@ -169,22 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     try:
         run_cli(argv)
-    except TrainingDiverged as e:  # the non-finite-loss guard: one line naming the step and the last good checkpoint
-        if os.environ.get("DIFFMM_TRACEBACK"):
-            raise
-        print(f"diffmm {cmd}: error: {condense(e)}", file=sys.stderr)
-        return DIVERGED_EXIT_CODE
     except SystemExit as e:  # --help, --print_config and jsonargparse's own error messages
         return int(e.code or 0) if not isinstance(e.code, str) else 2
-    except (ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException, ValueError) as e:
-        # bad paths and values: one line (naming the config key); other exceptions keep their traceback
+    except (TrainingDiverged, ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException,
+            ValueError) as e:
+        # the non-finite-loss guard (naming the step and the last good checkpoint), bad paths and values (naming the
+        # config key): one line; other exceptions keep their traceback
         if os.environ.get("DIFFMM_TRACEBACK"):
             raise
-        hint = "" if isinstance(e, (ConfigError, ArgumentError)) else " (DIFFMM_TRACEBACK=1 shows where)"
+        named = isinstance(e, (TrainingDiverged, ConfigError, ArgumentError))  # the message says where
+        hint = "" if named else " (DIFFMM_TRACEBACK=1 shows where)"
         print(f"diffmm {cmd}: error: {condense(e)}{hint}", file=sys.stderr)
         if isinstance(e, ArgumentError):
             print(f"diffmm {cmd}: see `diffmm {cmd} --help` or `--print_config` for the accepted keys", file=sys.stderr)
-        return 2
+        return DIVERGED_EXIT_CODE if isinstance(e, TrainingDiverged) else 2
     return 0
 
 

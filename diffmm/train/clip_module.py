@@ -103,9 +103,6 @@ class CLIPModule(TrainModule):
         if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
             checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
-    def extra_no_decay(self) -> tuple[str, ...]:
-        return ("logit_scale", *(self.hparams.get("no_decay") or ()))
-
     # ----- steps --------------------------------------------------------------------------------
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
@@ -162,7 +159,7 @@ class CLIPModule(TrainModule):
             return
         if self.sharded():
             return  # sharded parameters: the unwrapped model cannot run alone
-        results = self.zeroshot.run(self.model, epoch=self.current_epoch, device=self.device, rank=self.global_rank)
+        results = self.zeroshot.run(self.model, epoch=self.current_epoch, rank=self.global_rank)
         if results:
             self.log_dict({f"zeroshot/{k}": float(v) for k, v in results.items()}, sync_dist=False, rank_zero_only=True)
 

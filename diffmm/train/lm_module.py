@@ -116,12 +116,6 @@ class LMModule(TrainModule):
                        f"{stage}/accuracy": float(acc[1] / acc[2]), f"{stage}/tokens": float(acc[2])},
                       prog_bar=stage == "val")
 
-    def on_validation_epoch_start(self) -> None:
-        self._eval_acc.pop("val", None)
-
-    def on_test_epoch_start(self) -> None:
-        self._eval_acc.pop("test", None)
-
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._eval_step(batch, "val")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
 import torch.nn as nn
 
 from diffmm.eval.classnames import get_classnames
@@ -38,12 +37,9 @@ class ZeroShotHook:
         self.every_n_epochs, self.batch_size, self.num_workers = max(1, every_n_epochs), batch_size, num_workers
         self.max_batches, self.label_field, self.split = max_batches, label_field, split
 
-    def run(self, model: nn.Module, *, epoch: int, device: torch.device, context_length: Optional[int] = None,
-            rank: int = 0) -> dict[str, float]:
+    def run(self, model: nn.Module, *, epoch: int, rank: int = 0) -> dict[str, float]:
         """Evaluate ``model`` with its own preprocessing (image size, mean/std, tokenizer truncation: what
-        ``diffmm eval`` uses); returns ``{"top1": ..., "top5": ...}`` or ``{}`` when skipped.
-
-        ``context_length`` overrides the model's text context."""
+        ``diffmm eval`` uses); returns ``{"top1": ..., "top5": ...}`` or ``{}`` when skipped."""
         if rank != 0 or (epoch + 1) % self.every_n_epochs:
             return {}
         names = get_classnames(self.classnames)
@@ -53,7 +49,7 @@ class ZeroShotHook:
         was_training = model.training
         model.eval()
         try:
-            result = zero_shot(model, tokenizer_for(model, context_length), source, names, self.templates,
+            result = zero_shot(model, tokenizer_for(model), source, names, self.templates,
                                show_progress=False, max_batches=self.max_batches)
         finally:
             model.train(was_training)
