@@ -141,10 +141,7 @@ class TrainModule(pl.LightningModule):
 
     def sharded(self) -> bool:
         """True under FSDP-style strategies (parameters are only whole inside forward/backward)."""
-        try:
-            return "FSDP" in type(self.trainer.strategy).__name__
-        except RuntimeError:  # no trainer attached
-            return False
+        return "FSDP" in type(self.trainer.strategy).__name__
 
     def on_train_epoch_start(self) -> None:
         self._window = None

@@ -229,9 +229,6 @@ class StepProgressBar(TQDMProgressBar):
 
     _offset, _step0 = 0, 0
 
-    def _steps_limited(self) -> bool:
-        return self.trainer.max_steps is not None and self.trainer.max_steps > 0
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a mid-epoch resume does not call on_train_epoch_start: count from the restored position
         self._offset = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
@@ -250,12 +247,12 @@ class StepProgressBar(TQDMProgressBar):
     @property
     def total_train_batches(self) -> float:
         t = self.trainer
-        if not self._steps_limited():
+        if t.max_steps < 1:  # not step-limited (Lightning's default: -1)
             return t.num_training_batches
         return min(t.num_training_batches, self._offset + max(0, t.max_steps - self._step0) * t.accumulate_grad_batches)
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         items = super().get_metrics(trainer, pl_module)
-        if self._steps_limited():
+        if trainer.max_steps > 0:
             items = {"step": f"{trainer.global_step}/{trainer.max_steps}", **items}
         return items

@@ -213,14 +213,6 @@ def _move_aside(path: str) -> Optional[str]:
         return None
 
 
-def check_resume_file(path: str, key: str = "ckpt_path") -> None:
-    """One-line :class:`ConfigError` when an explicitly given local checkpoint is damaged (no fallback)."""
-    damage = checkpoint_damage(path) if os.path.isfile(path) else None
-    if damage is not None:
-        raise ConfigError(f"{key}: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path last "
-                          f"to resume from the newest intact one")
-
-
 def remove_stale_temporaries(folder: str) -> None:
     """Delete ``.NAME.tmp-PID`` files (left by a save that was killed) in ``folder``.
 

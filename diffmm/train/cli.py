@@ -40,7 +40,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, StepProgressBar
-from diffmm.train.checkpoint_io import AtomicCheckpointIO, check_resume_file, resume_checkpoint
+from diffmm.train.checkpoint_io import AtomicCheckpointIO, checkpoint_damage, resume_checkpoint
 from diffmm.train.clip_module import resuming_from
 from diffmm.train.datamodules import check_shard_spec
 from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
@@ -80,13 +80,19 @@ class DiffmmCLI(LightningCLI):
         # damaged one the user named is one line naming it (no fallback: it is what the user asked for)
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if path and path != "last":
-            check_resume_file(os.fspath(path))
+        damage = checkpoint_damage(os.fspath(path)) if path and path != "last" and os.path.isfile(path) else None
+        if damage is not None:
+            raise ConfigError(f"ckpt_path: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path "
+                              f"last to resume from the newest intact one")
+
+    def _subcommand_config(self, config: Any) -> Any:
+        """The part of ``config`` of the subcommand (all of it with ``run=False``)."""
+        return config[self.subcommand] if self.subcommand else config
 
     def before_instantiate_classes(self) -> None:
         # Check shard paths before jsonargparse instantiates the data module: an error raised inside
         # instantiation comes back wrapped in a long "Union subtypes" report.
-        config = self.config[self.subcommand]
+        config = self._subcommand_config(self.config)
         init = getattr(config.get("data"), "init_args", None) or {}
         for key in ("train_shards", "val_shards", "test_shards", "predict_shards"):
             check_shard_spec(init.get(key) if hasattr(init, "get") else None, f"data.{key}")
@@ -100,12 +106,12 @@ class DiffmmCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not needed
-        ckpt = self.config[self.subcommand].get("ckpt_path")
+        ckpt = self._subcommand_config(self.config).get("ckpt_path")
         with resuming_from(os.fspath(ckpt) if ckpt and os.path.isfile(os.fspath(ckpt)) else None):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        config = self.config_init[self.subcommand]
+        config = self._subcommand_config(self.config_init)
         trainer = config["trainer"]
         root = trainer.get("default_root_dir") or os.getcwd()
         if config["checkpoint"].dirpath is None:

@@ -90,10 +90,11 @@ class ShardDataModule(pl.LightningDataModule):
         super().__init__()
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards or val_shards,
                        "predict": predict_shards or val_shards}
-        self._own_shards = {"test": bool(test_shards), "predict": bool(predict_shards)}
-        for key, spec in (("train_shards", train_shards), ("val_shards", val_shards), ("test_shards", test_shards),
-                          ("predict_shards", predict_shards)):
-            check_shard_spec(spec, f"data.{key}")
+        #: stages that fall back to the validation shards and have not said so yet
+        self._unsaid_fallback = {stage for stage, given in (("test", test_shards), ("predict", predict_shards))
+                                 if not given}
+        for stage, spec in self.shards.items():  # val before test/predict: a bad val_shards is named as such
+            check_shard_spec(spec, f"data.{stage}_shards")
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
@@ -107,12 +108,10 @@ class ShardDataModule(pl.LightningDataModule):
         if handler is not None:
             self.read_kwargs["handler"] = handler
         self._loaders: dict[str, ResumableLoader] = {}
-        self._said_fallback: set[str] = set()
 
     def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
         """The dataset of a stage (subclasses)."""
         raise NotImplementedError
-
 
     def _loader(self, stage: str) -> Optional[ResumableLoader]:
         spec = self.shards[stage]
@@ -125,24 +124,23 @@ class ShardDataModule(pl.LightningDataModule):
                                    samples_per_epoch=self.samples_per_epoch, weights=self.train_weights,
                                    shuffle_buffer=self.shuffle_buffer, seed=self.seed, **common)
             epoch = (lambda: int(self.trainer.fit_loop.epoch_progress.current.processed)) if self.trainer else None
-            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
-                                     default_epoch=epoch, position=self._train_position, signature=self._signature)
+            hooks = dict(default_epoch=epoch, position=self._train_position, signature=self._signature)
         else:
             # evaluation: every rank the same number of batches under DDP (uneven counts can hang collectives; the
             # last incomplete global batch is dropped), except predict, which reads every sample and keeps its key
             equalize = (world > 1 or self.equalize_eval) and stage != "predict"
             ds = self.make_dataset(spec, False, self.val_batch_size, shuffle=False, equalize=equalize, **common)
             ds.with_keys = stage == "predict"
-            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
-                                     default_epoch=lambda: 0)
+            hooks = dict(default_epoch=lambda: 0)
+        loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank, **hooks)
         self._loaders[stage] = loader
         return loader
 
     def _eval_loader(self, stage: str) -> ResumableLoader:
         if not self.shards[stage]:
             raise ConfigError(f"data.{stage}_shards (or data.val_shards) is not set; {stage} needs shards")
-        if stage not in self._said_fallback and not self._own_shards[stage] and rank_and_world(self)[0] == 0:
-            self._said_fallback.add(stage)
+        if stage in self._unsaid_fallback and rank_and_world(self)[0] == 0:
+            self._unsaid_fallback.discard(stage)
             log.info("%s: data.%s_shards is not set; using the validation shards (data.val_shards: %s)",
                      stage, stage, self.shards[stage])
         return self._loader(stage)

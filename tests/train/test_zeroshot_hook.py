@@ -7,7 +7,7 @@ from diffmm.eval.image_sources import open_image_source
 from diffmm.eval.zeroshot import zero_shot
 from diffmm.models.clip.preprocess import image_transform
 from diffmm.models.clip.tokenizer import CLIPTokenizer
-from diffmm.train.zeroshot_hook import ZeroShotHook
+from diffmm.train.clip_module import ZeroShotHook
 from train_helpers import TinyCLIP
 
 
