@@ -3,7 +3,6 @@ gradient checkpointing and periodic logging of lambdas and throughput. No model 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import time
 import warnings
@@ -19,8 +18,6 @@ from diffmm.train.monitor import lambda_layers, lambda_values
 from diffmm.train.optim import WarmupCosineLR, adamw
 
 _BLOCK_LIST_NAMES = ("blocks", "resblocks", "layers", "h")
-
-log = logging.getLogger("diffmm.train")
 
 
 def enable_grad_checkpointing(model: nn.Module) -> int:
@@ -70,7 +67,8 @@ class TrainModule(pl.LightningModule):
     Args:
         lr: peak learning rate.
         min_lr: learning rate at the end of the cosine.
-        weight_decay: AdamW weight decay of the decayed group (matrices; see :mod:`diffmm.train.optim`).
+        weight_decay: AdamW weight decay of the decayed group (matrices; see :mod:`diffmm.train.optim`); a
+            subclass taking ``no_decay`` (name fragments) keeps those parameters out of it too.
         betas, eps: AdamW.
         warmup_steps: linear warmup steps (ignored when ``warmup_epochs`` is set).
         warmup_epochs: warmup length in epochs (may be fractional), converted with the steps per epoch.
@@ -102,10 +100,6 @@ class TrainModule(pl.LightningModule):
         return fn(*args, **kwargs)
 
     # ----- optimizer and schedule ---------------------------------------------------------------
-    def extra_no_decay(self) -> tuple[str, ...]:
-        """Extra parameter-name fragments without weight decay (subclasses may add)."""
-        return ()
-
     def _schedule_steps(self) -> tuple[int, int]:
         trainer, hp = self.trainer, self.hparams
         total = hp.total_steps or int(trainer.estimated_stepping_batches)
@@ -129,15 +123,9 @@ class TrainModule(pl.LightningModule):
             return []
         return [NonFiniteGuard()]
 
-    def on_train_start(self) -> None:
-        for config in self.trainer.lr_scheduler_configs:
-            note = config.scheduler.describe_restore() if isinstance(config.scheduler, WarmupCosineLR) else ""
-            if note and self.trainer.is_global_zero:
-                log.info("%s", note)
-
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        opt = adamw(self.model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps, self.extra_no_decay())
+        opt = adamw(self.model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps, tuple(hp.get("no_decay") or ()))
         sched = WarmupCosineLR(opt, *self._schedule_steps(), hp.lr, hp.min_lr)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
@@ -153,10 +141,7 @@ class TrainModule(pl.LightningModule):
 
     def sharded(self) -> bool:
         """True under FSDP-style strategies (parameters are only whole inside forward/backward)."""
-        try:
-            return "FSDP" in type(self.trainer.strategy).__name__
-        except RuntimeError:  # no trainer attached
-            return False
+        return "FSDP" in type(self.trainer.strategy).__name__
 
     def on_train_epoch_start(self) -> None:
         self._window = None

@@ -85,18 +85,6 @@ class PredictionWriter(BasePredictionWriter):
                                                   for k, v in out.items()))
 
 
-def last_good_checkpoint(trainer: pl.Trainer) -> tuple[Optional[str], Optional[int]]:
-    """``(path, step)`` of the newest checkpoint this run wrote (through :class:`AtomicCheckpointIO`), else the one
-    it resumed from (step None); ``(None, None)`` if none. Collective: every rank gets rank 0's answer."""
-    io = trainer.strategy.checkpoint_io
-    saved = io.last_saved if isinstance(io, AtomicCheckpointIO) else None
-    if trainer.world_size > 1:
-        saved = trainer.strategy.broadcast(saved)  # only rank 0 writes
-    if saved is None and trainer.ckpt_path and os.path.exists(str(trainer.ckpt_path)):
-        return str(trainer.ckpt_path), None
-    return saved or (None, None)
-
-
 class NonFiniteGuard(pl.Callback):
     """Stops training (default) or skips the update when the loss is NaN or Inf.
 
@@ -154,9 +142,12 @@ class NonFiniteGuard(pl.Callback):
             pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False,
                           rank_zero_only=True)
             return
-        path, saved_step = last_good_checkpoint(trainer)
+        # the newest checkpoint this run wrote (only rank 0 writes), else the one it resumed from
+        io = trainer.strategy.checkpoint_io
+        saved = io.last_saved if isinstance(io, AtomicCheckpointIO) else None
+        path, saved_step = trainer.strategy.broadcast(saved) or (trainer.ckpt_path, None)
         good = (f"last good checkpoint: {path}" + (f" (step {saved_step})" if saved_step is not None else "")
-                if path else f"no checkpoint was written before step {step}")
+                if path and os.path.exists(str(path)) else f"no checkpoint was written before step {step}")
         what = (f"non-finite loss ({value}) at step {step}, after {self.skipped} skipped step(s) "
                 f"(nonfinite.max_skips={self.max_skips})" if self.action == "skip"
                 else f"non-finite loss ({value}) at step {step} (epoch {trainer.current_epoch})")
@@ -171,31 +162,6 @@ class NonFiniteGuard(pl.Callback):
         self.skipped = int(state_dict.get("skipped", 0))
 
 
-def mark_epoch_unfinished(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Make a checkpoint saved after a run stopped mid-epoch (``max_steps``, early stopping) say so.
-
-    Lightning counts the epoch as finished when the run stops; the data position says how many
-    batches of it were consumed. Resuming such a checkpoint with a larger ``max_steps`` would start
-    the next epoch in the trainer while the data continues this one. Here the saved epoch progress
-    is set back to "this epoch started, not finished", so the resumed run continues the same epoch
-    at the next batch, exactly where an uninterrupted run would be.
-    """
-    loop = trainer.fit_loop
-    batches = trainer.num_training_batches
-    done = loop.epoch_loop.batch_progress.current.ready
-    ep = loop.epoch_progress.current
-    if not (ep.ready == ep.started == ep.processed and 0 < done and math.isfinite(batches) and done < batches
-            and not loop.epoch_loop.batch_progress.is_last_batch):
-        return
-    fit = (checkpoint.get("loops") or {}).get("fit_loop")
-    if not fit or "epoch_progress" not in fit:
-        return
-    for part in ("total", "current"):
-        p = fit["epoch_progress"][part]
-        p["processed"] = p["completed"] = p["started"] - 1
-    checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]
-
-
 class Checkpoint(ModelCheckpoint):
     """ModelCheckpoint with diffmm's rules.
 
@@ -204,7 +170,7 @@ class Checkpoint(ModelCheckpoint):
       make room meanwhile (the rule of :class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`, which the CLI
       installs); no checkpoint at all after the run diverged (:class:`NonFiniteGuard`).
     * A checkpoint saved after a run stopped mid-epoch records the epoch as unfinished, so extending the
-      run (a larger ``max_steps``) continues the same epoch and data position (:func:`mark_epoch_unfinished`).
+      run (a larger ``max_steps``) continues the same epoch and data position (:meth:`on_save_checkpoint`).
     * At the start of ``fit``, temporary files a killed save left in the folder are removed.
     """
 
@@ -217,8 +183,29 @@ class Checkpoint(ModelCheckpoint):
             remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """Make a checkpoint saved after a run stopped mid-epoch (``max_steps``, early stopping) say so.
+
+        Lightning counts the epoch as finished when the run stops; the data position says how many
+        batches of it were consumed. Resuming such a checkpoint with a larger ``max_steps`` would start
+        the next epoch in the trainer while the data continues this one. Here the saved epoch progress
+        is set back to "this epoch started, not finished", so the resumed run continues the same epoch
+        at the next batch, exactly where an uninterrupted run would be.
+        """
         self.saved_at_step = trainer.global_step
-        mark_epoch_unfinished(trainer, checkpoint)
+        loop = trainer.fit_loop
+        batches = trainer.num_training_batches
+        done = loop.epoch_loop.batch_progress.current.ready
+        ep = loop.epoch_progress.current
+        if not (ep.ready == ep.started == ep.processed and 0 < done and math.isfinite(batches) and done < batches
+                and not loop.epoch_loop.batch_progress.is_last_batch):
+            return
+        fit = (checkpoint.get("loops") or {}).get("fit_loop")
+        if not fit or "epoch_progress" not in fit:
+            return
+        for part in ("total", "current"):
+            p = fit["epoch_progress"][part]
+            p["processed"] = p["completed"] = p["started"] - 1
+        checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, TrainingDiverged):
@@ -242,9 +229,6 @@ class StepProgressBar(TQDMProgressBar):
 
     _offset, _step0 = 0, 0
 
-    def _steps_limited(self) -> bool:
-        return self.trainer.max_steps is not None and self.trainer.max_steps > 0
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a mid-epoch resume does not call on_train_epoch_start: count from the restored position
         self._offset = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
@@ -263,12 +247,12 @@ class StepProgressBar(TQDMProgressBar):
     @property
     def total_train_batches(self) -> float:
         t = self.trainer
-        if not self._steps_limited():
+        if t.max_steps < 1:  # not step-limited (Lightning's default: -1)
             return t.num_training_batches
         return min(t.num_training_batches, self._offset + max(0, t.max_steps - self._step0) * t.accumulate_grad_batches)
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         items = super().get_metrics(trainer, pl_module)
-        if self._steps_limited():
+        if trainer.max_steps > 0:
             items = {"step": f"{trainer.global_step}/{trainer.max_steps}", **items}
         return items

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -32,18 +33,15 @@ _TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 def non_finite_keys(tensors: Iterable[tuple[str, Any]], limit: int = 3) -> list[str]:
     """Names of floating-point tensors holding NaN or Inf (at most ``limit``).
 
-    Uses each tensor's max and min (NaN propagates through both; no tensor-sized temporaries) and one
-    device sync per device when everything is finite.
+    Checks each tensor's max and min (NaN propagates through both; no tensor-sized temporaries). One sync per
+    tensor, as ``torch.save`` of the same tensors costs anyway.
     """
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    bad = []
     with torch.no_grad():
         for name, t in tensors:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-                by_device.setdefault(t.device, []).append((name, torch.stack([t.amax(), t.amin()]).float()))
-        bad = []
-        for group in by_device.values():
-            ok = torch.isfinite(torch.stack([e for _, e in group])).all(dim=1).tolist()  # one sync per device
-            bad += [name for (name, _), good in zip(group, ok) if not good]
+                if not torch.isfinite(torch.stack([t.amax(), t.amin()])).all():
+                    bad.append(name)
     return bad[:limit]
 
 
@@ -215,31 +213,14 @@ def _move_aside(path: str) -> Optional[str]:
         return None
 
 
-def check_resume_file(path: str, key: str = "ckpt_path") -> None:
-    """One-line :class:`ConfigError` when an explicitly given local checkpoint is damaged (no fallback)."""
-    damage = checkpoint_damage(path) if os.path.isfile(path) else None
-    if damage is not None:
-        raise ConfigError(f"{key}: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path last "
-                          f"to resume from the newest intact one")
-
-
-def remove_stale_temporaries(folder: str) -> list[str]:
-    """Delete ``.NAME.tmp-PID`` files (left by a save that was killed) in ``folder``; returns their paths.
+def remove_stale_temporaries(folder: str) -> None:
+    """Delete ``.NAME.tmp-PID`` files (left by a save that was killed) in ``folder``.
 
     Call only while no save of this run can be in progress (before training starts).
     """
-    if not folder or not os.path.isdir(folder):
-        return []
-    removed = []
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if _TMP_RE.match(name) and os.path.isfile(path):
-            try:
-                os.remove(path)
-                removed.append(path)
-            except OSError as e:
-                log.warning("could not remove the stale temporary %s: %s", path, e)
-    if removed:
-        log.info("removed %d temporary file(s) of an interrupted checkpoint save: %s", len(removed),
-                 ", ".join(os.path.basename(p) for p in removed))
-    return removed
+    names = sorted(n for n in os.listdir(folder) if _TMP_RE.match(n)) if folder and os.path.isdir(folder) else []
+    for name in names:
+        with contextlib.suppress(OSError):  # another process removed it
+            os.remove(os.path.join(folder, name))
+    if names:
+        log.info("removed %d temporary file(s) of an interrupted checkpoint save: %s", len(names), ", ".join(names))

@@ -40,7 +40,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, StepProgressBar
-from diffmm.train.checkpoint_io import AtomicCheckpointIO, check_resume_file, resume_checkpoint
+from diffmm.train.checkpoint_io import AtomicCheckpointIO, checkpoint_damage, resume_checkpoint
 from diffmm.train.clip_module import resuming_from
 from diffmm.train.datamodules import check_shard_spec
 from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
@@ -80,10 +80,13 @@ class DiffmmCLI(LightningCLI):
         # damaged one the user named is one line naming it (no fallback: it is what the user asked for)
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if path and path != "last":
-            check_resume_file(os.fspath(path))
+        damage = checkpoint_damage(os.fspath(path)) if path and path != "last" and os.path.isfile(path) else None
+        if damage is not None:
+            raise ConfigError(f"ckpt_path: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path "
+                              f"last to resume from the newest intact one")
 
     def _subcommand_config(self, config: Any) -> Any:
+        """The part of ``config`` of the subcommand (all of it with ``run=False``)."""
         return config[self.subcommand] if self.subcommand else config
 
     def before_instantiate_classes(self) -> None:
@@ -169,22 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     try:
         run_cli(argv)
-    except TrainingDiverged as e:  # the non-finite-loss guard: one line naming the step and the last good checkpoint
-        if os.environ.get("DIFFMM_TRACEBACK"):
-            raise
-        print(f"diffmm {cmd}: error: {condense(e)}", file=sys.stderr)
-        return DIVERGED_EXIT_CODE
     except SystemExit as e:  # --help, --print_config and jsonargparse's own error messages
         return int(e.code or 0) if not isinstance(e.code, str) else 2
-    except (ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException, ValueError) as e:
-        # bad paths and values: one line (naming the config key); other exceptions keep their traceback
+    except (TrainingDiverged, ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException,
+            ValueError) as e:
+        # the non-finite-loss guard (naming the step and the last good checkpoint), bad paths and values (naming the
+        # config key): one line; other exceptions keep their traceback
         if os.environ.get("DIFFMM_TRACEBACK"):
             raise
-        hint = "" if isinstance(e, (ConfigError, ArgumentError)) else " (DIFFMM_TRACEBACK=1 shows where)"
+        named = isinstance(e, (TrainingDiverged, ConfigError, ArgumentError))  # the message says where
+        hint = "" if named else " (DIFFMM_TRACEBACK=1 shows where)"
         print(f"diffmm {cmd}: error: {condense(e)}{hint}", file=sys.stderr)
         if isinstance(e, ArgumentError):
             print(f"diffmm {cmd}: see `diffmm {cmd} --help` or `--print_config` for the accepted keys", file=sys.stderr)
-        return 2
+        return DIVERGED_EXIT_CODE if isinstance(e, TrainingDiverged) else 2
     return 0
 
 

@@ -1,4 +1,5 @@
-"""LightningModule for contrastive image-text training of (Diff)CLIP models."""
+"""LightningModule for contrastive image-text training of (Diff)CLIP models, with optional zero-shot
+classification during validation."""
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +12,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.eval.classnames import get_classnames
+from diffmm.eval.image_sources import open_image_source
+from diffmm.eval.zeroshot import zero_shot
 from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
 from diffmm.hub.factory import apply_swap, create_model
 from diffmm.train.base import TrainModule
 from diffmm.train.losses import ContrastiveLoss
-from diffmm.train.zeroshot_hook import ZeroShotHook
+from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("diffmm.train")
 
 # The checkpoint a run is about to resume from, while diffmm's CLI builds its classes (``resuming_from``): that
 # checkpoint holds every weight, so a ``pretrained`` file that is gone by then is not needed.
@@ -35,6 +39,49 @@ def resuming_from(ckpt_path: Optional[str]) -> Iterator[None]:
         yield
     finally:
         _RESUME_CHECKPOINT = previous
+
+
+class ZeroShotHook:
+    """Zero-shot top-1/top-5 on a labelled image set, run at the end of validation epochs on rank 0, through
+    ``diffmm.eval.zeroshot`` (what ``diffmm eval zeroshot`` runs).
+
+    Args:
+        dataset: image source spec of ``diffmm.eval.image_sources.open_image_source`` (image folder,
+            ``idx:FOLDER`` for Fashion-MNIST, or label shards).
+        classnames: built-in name, file or list (``diffmm.eval.classnames.get_classnames``).
+        templates: built-in name, file or list of prompt templates.
+        every_n_epochs: run when ``(epoch + 1) % every_n_epochs == 0``.
+        batch_size, num_workers: of the image source.
+        max_batches: stop after this many batches (quick checks).
+        label_field: label key of shards (``cls`` or ``json:NAME``).
+        split: IDX split (``train``/``test``).
+    """
+
+    def __init__(self, dataset: str, classnames: str | list[str], templates: str | list[str] = "simple",
+                 every_n_epochs: int = 1, batch_size: int = 64, num_workers: int = 0,
+                 max_batches: Optional[int] = None, label_field: str = "cls", split: str = "test") -> None:
+        self.dataset, self.classnames, self.templates = dataset, classnames, templates
+        self.every_n_epochs, self.batch_size, self.num_workers = max(1, every_n_epochs), batch_size, num_workers
+        self.max_batches, self.label_field, self.split = max_batches, label_field, split
+
+    def run(self, model: nn.Module, *, epoch: int, rank: int = 0) -> dict[str, float]:
+        """Evaluate ``model`` with its own preprocessing (image size, mean/std, tokenizer truncation: what
+        ``diffmm eval`` uses); returns ``{"top1": ..., "top5": ...}`` or ``{}`` when skipped."""
+        if rank != 0 or (epoch + 1) % self.every_n_epochs:
+            return {}
+        names = get_classnames(self.classnames)
+        _, transform = transforms_for(model)
+        source = open_image_source(self.dataset, transform, classnames=names, label_field=self.label_field,
+                                   split=self.split, batch_size=self.batch_size, num_workers=self.num_workers)
+        was_training = model.training
+        model.eval()
+        try:
+            result = zero_shot(model, tokenizer_for(model), source, names, self.templates,
+                               show_progress=False, max_batches=self.max_batches)
+        finally:
+            model.train(was_training)
+        log.info("zero-shot epoch %d: top1 %.4f top5 %.4f on %d images", epoch, result.top1, result.top5, result.n)
+        return {"top1": result.top1, "top5": result.top5}
 
 
 #: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
@@ -66,7 +113,7 @@ class CLIPModule(TrainModule):
             logit_scale and 1-D parameters), e.g. ``[positional_embedding, pos_embed, cls_token]`` as timm does.
         grad_checkpointing, compile, log_lambdas: see :class:`~diffmm.train.base.TrainModule`.
         zeroshot: optional zero-shot evaluation during validation, keyword arguments of
-            :class:`~diffmm.train.zeroshot_hook.ZeroShotHook` (needs ``diffmm.eval.zeroshot``).
+            :class:`ZeroShotHook` (needs ``diffmm.eval.zeroshot``).
     """
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
@@ -102,9 +149,6 @@ class CLIPModule(TrainModule):
         config = getattr(self.model, "config", None)
         if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
             checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
-
-    def extra_no_decay(self) -> tuple[str, ...]:
-        return ("logit_scale", *(self.hparams.get("no_decay") or ()))
 
     # ----- steps --------------------------------------------------------------------------------
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,11 +202,9 @@ class CLIPModule(TrainModule):
                 "similarity": (img @ txt.T).float().cpu()}
 
     def on_validation_epoch_end(self) -> None:
-        if self.zeroshot is None or self.trainer.sanity_checking:
-            return
-        if self.sharded():
+        if self.zeroshot is None or self.trainer.sanity_checking or self.sharded():
             return  # sharded parameters: the unwrapped model cannot run alone
-        results = self.zeroshot.run(self.model, epoch=self.current_epoch, device=self.device, rank=self.global_rank)
+        results = self.zeroshot.run(self.model, epoch=self.current_epoch, rank=self.global_rank)
         if results:
             self.log_dict({f"zeroshot/{k}": float(v) for k, v in results.items()}, sync_dist=False, rank_zero_only=True)
 

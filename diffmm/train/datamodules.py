@@ -71,6 +71,11 @@ def trained_module(data: pl.LightningDataModule) -> Optional[pl.LightningModule]
     return getattr(data.trainer, "lightning_module", None) if data.trainer is not None else None
 
 
+def rank_and_world(data: pl.LightningDataModule) -> tuple[int, int]:
+    """``(global rank, world size)`` of the trainer of ``data`` (``(0, 1)`` without a trainer)."""
+    return (data.trainer.global_rank, data.trainer.world_size) if data.trainer is not None else (0, 1)
+
+
 class ShardDataModule(pl.LightningDataModule):
     """Shared logic of the shard data modules (see subclasses for the arguments)."""
 
@@ -80,21 +85,22 @@ class ShardDataModule(pl.LightningDataModule):
     def __init__(self, train_shards: Optional[str], val_shards: Optional[str], test_shards: Optional[str],
                  predict_shards: Optional[str], batch_size: int, val_batch_size: Optional[int], num_workers: int,
                  seed: int, resampled: bool, samples_per_epoch: Optional[int], train_weights: Optional[list[float]],
-                 shuffle_buffer: int, val_samples: Optional[int], max_member_bytes: Optional[int],
+                 shuffle_buffer: int, max_member_bytes: Optional[int],
                  pipe_timeout: Optional[float], stages: Optional[list[Callable]], handler: Optional[Callable]) -> None:
         super().__init__()
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards or val_shards,
                        "predict": predict_shards or val_shards}
-        self._own_shards = {"test": bool(test_shards), "predict": bool(predict_shards)}
-        for key, spec in (("train_shards", train_shards), ("val_shards", val_shards), ("test_shards", test_shards),
-                          ("predict_shards", predict_shards)):
-            check_shard_spec(spec, f"data.{key}")
+        #: stages that fall back to the validation shards and have not said so yet
+        self._unsaid_fallback = {stage for stage, given in (("test", test_shards), ("predict", predict_shards))
+                                 if not given}
+        for stage, spec in self.shards.items():  # val before test/predict: a bad val_shards is named as such
+            check_shard_spec(spec, f"data.{stage}_shards")
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.num_workers, self.seed = num_workers, seed
         self.resampled, self.samples_per_epoch, self.train_weights = resampled, samples_per_epoch, train_weights
-        self.shuffle_buffer, self.val_samples = shuffle_buffer, val_samples
+        self.shuffle_buffer = shuffle_buffer
         #: options of every dataset (``stages`` / ``handler``: webdataset stages on the raw samples, see
         #: :mod:`diffmm.data.stages`)
         self.read_kwargs: dict[str, Any] = {"max_member_bytes": max_member_bytes, "pipe_timeout": pipe_timeout,
@@ -102,51 +108,39 @@ class ShardDataModule(pl.LightningDataModule):
         if handler is not None:
             self.read_kwargs["handler"] = handler
         self._loaders: dict[str, ResumableLoader] = {}
-        self._restored: Optional[dict] = None
-        self._said_fallback: set[str] = set()
 
     def make_dataset(self, urls: str, train: bool, batch_size: int, **kwargs: Any):
         """The dataset of a stage (subclasses)."""
         raise NotImplementedError
 
-    def _world(self) -> tuple[int, int]:
-        return (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
-
     def _loader(self, stage: str) -> Optional[ResumableLoader]:
         spec = self.shards[stage]
         if not spec:
             return None
-        rank, world = self._world()
+        rank, world = rank_and_world(self)
         common = dict(rank=rank, world_size=world, name=f"{stage}-data", **self.read_kwargs)
         if stage == "train":
             ds = self.make_dataset(spec, True, self.batch_size, resampled=self.resampled,
                                    samples_per_epoch=self.samples_per_epoch, weights=self.train_weights,
                                    shuffle_buffer=self.shuffle_buffer, seed=self.seed, **common)
             epoch = (lambda: int(self.trainer.fit_loop.epoch_progress.current.processed)) if self.trainer else None
-            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
-                                     default_epoch=epoch, position=self._train_position, signature=self._signature)
-            if self._restored is not None:
-                loader.load_state_dict(self._restored)
-                self._restored = None
+            hooks = dict(default_epoch=epoch, position=self._train_position, signature=self._signature)
         else:
             # evaluation: every rank the same number of batches under DDP (uneven counts can hang collectives; the
             # last incomplete global batch is dropped), except predict, which reads every sample and keeps its key
             equalize = (world > 1 or self.equalize_eval) and stage != "predict"
-            kwargs: dict[str, Any] = dict(shuffle=False, equalize=equalize, **common)
-            if self.val_samples is not None:
-                kwargs["samples_per_epoch"] = self.val_samples
-            ds = self.make_dataset(spec, False, self.val_batch_size, **kwargs)
+            ds = self.make_dataset(spec, False, self.val_batch_size, shuffle=False, equalize=equalize, **common)
             ds.with_keys = stage == "predict"
-            loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank,
-                                     default_epoch=lambda: 0)
+            hooks = dict(default_epoch=lambda: 0)
+        loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank, **hooks)
         self._loaders[stage] = loader
         return loader
 
     def _eval_loader(self, stage: str) -> ResumableLoader:
         if not self.shards[stage]:
             raise ConfigError(f"data.{stage}_shards (or data.val_shards) is not set; {stage} needs shards")
-        if stage not in self._said_fallback and not self._own_shards[stage] and self._world()[0] == 0:
-            self._said_fallback.add(stage)
+        if stage in self._unsaid_fallback and rank_and_world(self)[0] == 0:
+            self._unsaid_fallback.discard(stage)
             log.info("%s: data.%s_shards is not set; using the validation shards (data.val_shards: %s)",
                      stage, stage, self.shards[stage])
         return self._loader(stage)
@@ -179,7 +173,7 @@ class ShardDataModule(pl.LightningDataModule):
     # ----- data position in checkpoints ---------------------------------------------------------
     def _signature(self) -> dict:
         return {"train_shards": self.shards["train"], "batch_size": self.batch_size, "seed": self.seed,
-                "world_size": self._world()[1], "num_workers": self.num_workers, "resampled": self.resampled}
+                "world_size": rank_and_world(self)[1], "num_workers": self.num_workers, "resampled": self.resampled}
 
     def _train_position(self) -> dict:
         """``{"epoch", "batches", "epoch_batches"}`` of the training stream from the trainer's progress."""
@@ -190,15 +184,6 @@ class ShardDataModule(pl.LightningDataModule):
         total = self.trainer.num_training_batches
         epoch, batches = (loader.epoch + 1, 0) if done >= total else (loader.epoch, done)
         return {"epoch": epoch, "batches": batches, "epoch_batches": total}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a data position that older checkpoints kept in the data module's own state (newer ones keep it
-        in the training loader's state, see :class:`~diffmm.train.resume.ResumableLoader`)."""
-        if state and "epoch" in state:
-            if "train" in self._loaders:
-                self._loaders["train"].load_state_dict(state)
-            else:
-                self._restored = state
 
 
 class ImageTextDataModule(ShardDataModule):
@@ -216,7 +201,6 @@ class ImageTextDataModule(ShardDataModule):
         samples_per_epoch: samples per epoch over all ranks; default from ``sizes.json``.
         train_weights: per-source sampling weights (``resampled`` only).
         shuffle_buffer: sample shuffle buffer.
-        val_samples: evaluation samples per epoch over all ranks (default: all).
         image_size, context_length, image_mean, image_std, truncate: the preprocessing; a model being trained sets
             them (its image size and normalisation, its tokenizer's context and truncation, through
             :func:`~diffmm.models.clip.preprocess.transforms_for` / ``tokenizer_for``): leave them unset. Without a
@@ -239,7 +223,7 @@ class ImageTextDataModule(ShardDataModule):
                  test_shards: Optional[str] = None, predict_shards: Optional[str] = None, batch_size: int = 64,
                  val_batch_size: Optional[int] = None, num_workers: int = 2, seed: int = 0, resampled: bool = False,
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
-                 shuffle_buffer: int = 1000, val_samples: Optional[int] = None, image_size: Optional[int] = None,
+                 shuffle_buffer: int = 1000, image_size: Optional[int] = None,
                  context_length: Optional[int] = None, image_mean: Optional[tuple[float, float, float]] = None,
                  image_std: Optional[tuple[float, float, float]] = None, truncate: Optional[str] = None,
                  crop_scale: tuple[float, float] = (0.5, 1.0), text_field: str = "txt",
@@ -247,7 +231,7 @@ class ImageTextDataModule(ShardDataModule):
                  pipe_timeout: Optional[float] = PIPE_TIMEOUT, stages: Optional[list[Callable]] = None,
                  handler: Optional[Callable] = None) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
-                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,
+                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer,
                          max_member_bytes, pipe_timeout, stages, handler)
         for key, value in (("image_mean", image_mean), ("image_std", image_std)):
             if value is not None and (len(value) != 3 or (key == "image_std" and min(value) <= 0)):
@@ -290,8 +274,8 @@ class TextDataModule(ShardDataModule):
 
     Args:
         train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size, num_workers, seed,
-            resampled, samples_per_epoch (rows), train_weights, shuffle_buffer (documents), val_samples
-            (rows): as in :class:`ImageTextDataModule`.
+            resampled, samples_per_epoch (rows), train_weights, shuffle_buffer (documents): as in
+            :class:`ImageTextDataModule`.
         context_length: sequence length; an LM module being trained sets it (None: 128).
         tokenizer: ``clip`` or a ``tokenizer.json`` path; an LM module being trained sets it (None: ``clip``).
         text_field: document extension in the shards.
@@ -306,12 +290,12 @@ class TextDataModule(ShardDataModule):
                  test_shards: Optional[str] = None, predict_shards: Optional[str] = None, batch_size: int = 8,
                  val_batch_size: Optional[int] = None, num_workers: int = 1, seed: int = 0, resampled: bool = False,
                  samples_per_epoch: Optional[int] = None, train_weights: Optional[list[float]] = None,
-                 shuffle_buffer: int = 100, val_samples: Optional[int] = None, context_length: Optional[int] = None,
+                 shuffle_buffer: int = 100, context_length: Optional[int] = None,
                  tokenizer: Optional[str] = None, text_field: str = "txt",
                  max_member_bytes: Optional[int] = MAX_MEMBER_BYTES, pipe_timeout: Optional[float] = PIPE_TIMEOUT,
                  stages: Optional[list[Callable]] = None, handler: Optional[Callable] = None) -> None:
         super().__init__(train_shards, val_shards, test_shards, predict_shards, batch_size, val_batch_size,
-                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer, val_samples,
+                         num_workers, seed, resampled, samples_per_epoch, train_weights, shuffle_buffer,
                          max_member_bytes, pipe_timeout, stages, handler)
         self.given = dict(context_length=context_length, tokenizer=tokenizer)
         self.context_length, self.tokenizer, self.text_field = context_length or 128, tokenizer or "clip", text_field
@@ -410,18 +394,16 @@ class RecallDataModule(pl.LightningDataModule):
         self.vocab_size = self.vocab_size or model_vocab
         self._build()
 
-    def _world(self) -> tuple[int, int]:
-        return (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        rank, world = self._world()
+        rank, world = rank_and_world(self)
         ds = RecallStream(self.train_tasks, self.batch_size, seed=self.seed, rank=rank, world_size=world,
                           start=self._start, batch_tokens=self.batch_tokens)
         self._start = 0
         return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers)
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        rank, world = self._world()
+        rank, world = rank_and_world(self)
         batches = [(b.inputs, b.targets) for t in self.val_tasks
                    for b in eval_batches(t, self.val_examples, self.val_batch_size, self.seed)]
         return torch.utils.data.DataLoader(batches[rank::world], batch_size=None)

@@ -17,11 +17,6 @@ from diffmm.train.losses import IGNORE_INDEX, next_token_loss
 Batch = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-def padded_vocab(vocab_size: int, multiple: int) -> int:
-    """``vocab_size`` rounded up to a multiple of ``multiple`` (faster matmuls; unused rows are never targets)."""
-    return multiple * math.ceil(vocab_size / multiple) if multiple > 1 else vocab_size
-
-
 def inputs_and_targets(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, targets)`` (B, T) of a batch: packed rows are shifted by one token; a pair is taken as it is."""
     if isinstance(batch, (tuple, list)):
@@ -65,7 +60,8 @@ class LMModule(TrainModule):
                 raise ValueError("LMModule: without a tokenizer, set the vocabulary in model_kwargs.vocab_size")
             if tokenizer is not None:
                 tok_vocab = load_lm_tokenizer(tokenizer).vocab_size
-                overrides.setdefault("vocab_size", padded_vocab(tok_vocab, pad_vocab_to))
+                multiple = max(1, pad_vocab_to)  # rounded up: faster matmuls, the extra rows are never targets
+                overrides.setdefault("vocab_size", multiple * math.ceil(tok_vocab / multiple))
                 if overrides["vocab_size"] < tok_vocab:
                     raise ValueError(f"LMModule: model vocab_size {overrides['vocab_size']} < tokenizer {tokenizer!r} "
                                      f"vocabulary {tok_vocab}")
@@ -105,9 +101,7 @@ class LMModule(TrainModule):
         return loss
 
     def _log_eval(self, stage: str) -> None:
-        acc = self._eval_acc.pop(stage, None)
-        if acc is None:
-            acc = torch.zeros(3, dtype=torch.float64, device=self.device)
+        acc = self._eval_acc.pop(stage, torch.zeros(3, dtype=torch.float64, device=self.device))  # none: no batch
         acc = self.trainer.strategy.reduce(acc, reduce_op="sum")  # token-weighted over all ranks
         if float(acc[2]) == 0:
             return
@@ -115,12 +109,6 @@ class LMModule(TrainModule):
         self.log_dict({f"{stage}/loss": loss, f"{stage}/ppl": math.exp(min(loss, 50.0)),
                        f"{stage}/accuracy": float(acc[1] / acc[2]), f"{stage}/tokens": float(acc[2])},
                       prog_bar=stage == "val")
-
-    def on_validation_epoch_start(self) -> None:
-        self._eval_acc.pop("val", None)
-
-    def on_test_epoch_start(self) -> None:
-        self._eval_acc.pop("test", None)
 
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._eval_step(batch, "val")

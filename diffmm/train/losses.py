@@ -62,28 +62,6 @@ class AllGatherWithGrad(torch.autograd.Function):
         return grad[lo:hi]
 
 
-def gather_features(image_features: torch.Tensor, text_features: torch.Tensor, *,
-                    gather_with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather ``(B, D)`` features from every rank into ``(W*B, D)``, rank-major.
-
-    Args:
-        gather_with_grad: autograd-aware gather (gradients flow to every rank's features);
-            otherwise only this rank's slice carries gradients.
-    """
-    rank, world = _world()
-    if world == 1:
-        return image_features, text_features
-    if gather_with_grad:
-        return AllGatherWithGrad.apply(image_features), AllGatherWithGrad.apply(text_features)
-    out = []
-    for feats in (image_features, text_features):
-        parts = [torch.empty_like(feats) for _ in range(world)]
-        dist.all_gather(parts, feats.detach().contiguous())
-        parts[rank] = feats
-        out.append(torch.cat(parts, 0))
-    return out[0], out[1]
-
-
 class ContrastiveLoss(nn.Module):
     """Symmetric InfoNCE of CLIP on L2-normalised features, gathered across ranks.
 
@@ -97,6 +75,19 @@ class ContrastiveLoss(nn.Module):
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
 
+    def gather(self, features: torch.Tensor) -> torch.Tensor:
+        """All-gather ``(B, D)`` features from every rank into ``(W*B, D)``, rank-major; with ``gather_with_grad``
+        gradients flow to every rank's features, otherwise only this rank's slice carries gradients."""
+        rank, world = _world()
+        if world == 1:
+            return features
+        if self.gather_with_grad:
+            return AllGatherWithGrad.apply(features)
+        parts = [torch.empty_like(features) for _ in range(world)]
+        dist.all_gather(parts, features.detach().contiguous())
+        parts[rank] = features
+        return torch.cat(parts, 0)
+
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor,
                 logit_scale: torch.Tensor) -> torch.Tensor:
         """Mean of the image->text and text->image cross entropies.
@@ -106,12 +97,8 @@ class ContrastiveLoss(nn.Module):
             text_features: (B, D) this rank's text embeddings, normalised; row i pairs with image i.
             logit_scale: 0-d, the temperature already exponentiated (and clamped).
         """
-        rank, world = _world()
-        B = image_features.shape[0]
-        if world > 1:
-            all_img, all_txt = gather_features(image_features, text_features, gather_with_grad=self.gather_with_grad)
-        else:
-            all_img, all_txt = image_features, text_features
+        rank, B = _world()[0], image_features.shape[0]
+        all_img, all_txt = self.gather(image_features), self.gather(text_features)
         if self.local_loss:
             logits_per_image = logit_scale * image_features @ all_txt.T   # (B, W*B)
             logits_per_text = logit_scale * text_features @ all_img.T     # (B, W*B)

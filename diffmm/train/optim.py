@@ -2,13 +2,17 @@
 warmup + cosine learning rate that follows the current settings when a run is resumed or extended."""
 from __future__ import annotations
 
+import logging
 import math
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from diffmm.nn import RMSNorm
+
+log = logging.getLogger("diffmm.train")
 
 #: module types whose parameters never get weight decay
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm, RMSNorm)
@@ -75,7 +79,7 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
     scheduler was built with, i.e. the resumed run's config, and the groups' lr is re-derived at the restored step.
     With unchanged settings this is exactly the saved lr; extending a run (a larger ``max_steps``, hence
     ``total_steps``) continues on the cosine over the new total instead of the old one's floor.
-    :meth:`describe_restore` says what differed.
+    An info line (rank 0) says what differed.
 
     Args:
         optimizer: its groups all follow the schedule.
@@ -85,32 +89,18 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, lr: float,
                  min_lr: float = 0.0) -> None:
-        self.restore_note = ""
         super().__init__(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr / lr if lr > 0 else 0.0))
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state.pop("restore_note", None)  # not part of the schedule
-        return state
-
     def load_state_dict(self, state_dict: dict) -> None:
-        now, base_lrs = dict(vars(self.lr_lambdas[0])), list(self.base_lrs)
-        super().load_state_dict(state_dict)  # the step count, and the saved settings (put back below)
-        saved = dict(vars(self.lr_lambdas[0]), lr=self.base_lrs[0])
-        for fn in self.lr_lambdas:
-            vars(fn).update(now)
-        self.base_lrs = base_lrs
-        before = self.optimizer.param_groups[0]["lr"]
+        now = dict(vars(self.lr_lambdas[0]), lr=self.base_lrs[0])
+        saved = dict(state_dict["lr_lambdas"][0] or {}, lr=state_dict["base_lrs"][0])
+        before = self.optimizer.param_groups[0]["lr"]  # the saved lr (Lightning restores the optimizer first)
+        self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
         for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
             group["initial_lr"], group["lr"] = base, base * fn(self.last_epoch)
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-        now["lr"] = base_lrs[0]
         names = {"total_steps": "total_steps", "warmup_steps": "warmup_steps", "min_ratio": "min_lr/lr", "lr": "lr"}
         diffs = ", ".join(f"{names[k]} {saved[k]:g} -> {now[k]:g}" for k in names if float(saved[k]) != float(now[k]))
-        self.restore_note = diffs and (
-            f"resume: lr schedule recomputed from the current settings ({diffs}; warmup {now['warmup_steps']} steps); "
-            f"lr at step {self.last_epoch} re-derived: {before:.3g} -> {self._last_lr[0]:.3g}")
-
-    def describe_restore(self) -> str:
-        """One line on how the restored schedule differs from the saved one ('' when it does not)."""
-        return self.restore_note
+        if diffs and not (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
+            log.info("resume: lr schedule recomputed from the current settings (%s; warmup %d steps); lr at step %d "
+                     "re-derived: %.3g -> %.3g", diffs, now["warmup_steps"], self.last_epoch, before, self._last_lr[0])

@@ -86,7 +86,7 @@ class ResumableLoader:
             if changed:
                 log.warning("resume: data settings changed since the checkpoint (%s); the data position is "
                             "approximate", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
-        self.set_position(state["epoch"], state["batches"])
+        self._pending = (int(state["epoch"]), int(state["batches"]))  # taken by the next iter()
 
     # ----- Lightning's iterable protocol ------------------------------------------------------
     def __len__(self) -> int:
@@ -95,10 +95,6 @@ class ResumableLoader:
     @property
     def dataset(self) -> Any:
         return self.loader.dataset
-
-    def set_position(self, epoch: int, batches: int) -> None:
-        """Make the next ``iter()`` run ``epoch`` starting after ``batches`` batches."""
-        self._pending = (int(epoch), int(batches))
 
     def __iter__(self) -> Iterator[Any]:
         # The epoch and start are decided at the first next(), not here: Lightning may create the

@@ -73,17 +73,6 @@ def test_resume_mid_epoch_through_the_stateful_loader_protocol(tmp_path, image_t
     assert resumed.seen == full.seen[25:]               # the same batches, augmentations included
 
 
-def test_old_checkpoints_with_the_position_in_the_data_module_still_resume(image_text_data):
-    train, _ = image_text_data
-    dm = _dm(train)
-    dm.load_state_dict({"epoch": 2, "batches": 3, "train_shards": train, "batch_size": 4, "seed": 1,
-                        "world_size": 1, "num_workers": 0, "resampled": False})
-    loader = dm.train_dataloader()
-    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["batches"] == 3
-    n = sum(1 for _ in loader)
-    assert loader.epoch == 2 and n == 24 - 3
-
-
 def test_shards_without_sizes_json_train_and_are_counted_once(tmp_path, image_text_data, caplog):
     train, val = image_text_data
     for spec, name in ((train, "train"), (val, "val")):

@@ -22,7 +22,7 @@ from diffmm.train.cli import main, run_cli
 from diffmm.train.clip_module import CLIPModule
 from diffmm.train.datamodules import ImageTextDataModule
 from diffmm.train.errors import ConfigError
-from diffmm.train.zeroshot_hook import ZeroShotHook
+from diffmm.train.clip_module import ZeroShotHook
 from train_configs import SHRINK, clip_config, write_yaml
 
 LONG = " ".join(["a very long caption about a red circle on a grey ground"] * 3)  # > 16 tokens
@@ -128,7 +128,7 @@ def test_open_clip_models_preprocess_cfg_is_followed(image_text_data):
 
 
 def test_zeroshot_hook_uses_the_models_preprocessing(monkeypatch, image_text_data):
-    import diffmm.train.zeroshot_hook as hook_module
+    import diffmm.train.clip_module as hook_module
 
     seen = {}
     real_source, real_zero_shot = hook_module.open_image_source, hook_module.zero_shot
@@ -149,7 +149,7 @@ def test_zeroshot_hook_uses_the_models_preprocessing(monkeypatch, image_text_dat
     model = diffmm.create_model("DiffCLIP-Tiny", **shrink)
     hook = ZeroShotHook(image_text_data[1], ["red", "green", "blue"], ["a {} shape"], label_field="json:label",
                         batch_size=8)
-    got = hook.run(model, epoch=0, device=torch.device("cpu"))
+    got = hook.run(model, epoch=0)
     assert set(got) == {"top1", "top5"}
     pixel = seen["transform"](Image.new("RGB", (40, 40), (128, 64, 32)))
     assert pixel.shape == (3, 16, 16)

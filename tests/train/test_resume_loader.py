@@ -39,14 +39,14 @@ def test_resume_mid_epoch_replays_exactly(shards, num_workers):
     assert not _same(e0, e1)  # each epoch reshuffles and re-augments
     resumed = _loader(shards, num_workers)
     torch.rand(5)  # the global RNG state of the resumed process differs: must not matter
-    resumed.set_position(1, 5)
+    resumed.load_state_dict({"epoch": 1, "batches": 5})
     assert _same(_epoch(resumed), e1[5:])
     assert _same(_epoch(resumed), _epoch(_loader_at(shards, num_workers, 2)))  # then epoch 2 as usual
 
 
 def _loader_at(spec: str, num_workers: int, epoch: int) -> ResumableLoader:
     loader = _loader(spec, num_workers)
-    loader.set_position(epoch, 0)
+    loader.load_state_dict({"epoch": epoch, "batches": 0})
     return loader
 
 
