@@ -426,25 +426,16 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> tu
     return ok, errs
 
 
-def worst(errs: dict, tol: float) -> str:
-    k = max(errs, key=errs.get)
-    return f"{k} error {errs[k]:.2e} > tol {tol:.0e}"
-
-
-def empty_row_mask(c: Case, km, device) -> torch.Tensor:
-    """(B, N) True for query rows that see no key."""
-    keep = torch.ones(c.B, c.N, c.S, dtype=torch.bool, device=device)
+def exact_zero_checks(c: Case, got: list[torch.Tensor], km) -> Optional[str]:
+    """None if fully masked rows (query rows that see no key) and padded keys got exact zeros, else what was not
+    zero."""
+    y, dq, dk, dv = got[:4]
+    keep = torch.ones(c.B, c.N, c.S, dtype=torch.bool, device=y.device)  # (B, N, S) query i sees key j
     if km is not None:
         keep &= km[:, None, :]
     if c.causal:
-        keep &= torch.ones(c.N, c.S, dtype=torch.bool, device=device).tril(c.S - c.N)
-    return ~keep.any(-1)
-
-
-def exact_zero_checks(c: Case, got: list[torch.Tensor], km) -> Optional[str]:
-    """None if fully masked rows and padded keys got exact zeros, else what was not zero."""
-    y, dq, dk, dv = got[:4]
-    empty = empty_row_mask(c, km, y.device)
+        keep &= torch.ones(c.N, c.S, dtype=torch.bool, device=y.device).tril(c.S - c.N)
+    empty = ~keep.any(-1)  # (B, N)
     bad = []
     if empty.any() and (y[empty] != 0).any():
         bad.append("output of rows without keys")
@@ -475,7 +466,8 @@ def correctness_case(ctx: Ctx, item: tuple, row: dict) -> None:
     if zero:
         row["zero_check"] = zero
     if row["status"] == "FAIL":
-        why = zero or worst(row["errs"], TOL[dtype])
+        worst = max(row["errs"], key=row["errs"].get)
+        why = zero or f"{worst} error {row['errs'][worst]:.2e} > tol {TOL[dtype]:.0e}"
         ctx.failures.append(f"correctness {backend} {DTYPE_NAMES[dtype]} {c.name}: {why}")
     if dtype != torch.float32 and unsupported("sdpa", c, q, km) is None:  # the noise floor of this dtype
         row["sdpa_errs"] = compare([t.float() for t in run_backend("sdpa", c, *inputs)], want, TOL[dtype])[1]
@@ -602,15 +594,13 @@ def speed_summary(rows: list[dict]) -> list[dict]:
         f = by["fused-triton"]
         s = {"d": key[0], "N": key[1], "causal": key[2], "fused_fwd_tflops": f["fwd_tflops"],
              "fused_fwdbwd_tflops": f["fwdbwd_tflops"]}
-        unfused = [k for k in UNFUSED if k in by]
+        unfused, standard = (min((k for k in names if k in by), key=lambda k: by[k]["fwdbwd_ms"], default=None)
+                             for names in (UNFUSED, STANDARD))  # the fastest path of each kind that ran
         if unfused:
-            best = min(unfused, key=lambda k: by[k]["fwdbwd_ms"])
-            s.update(best_unfused=best, fwdbwd_speedup_vs_best_unfused=by[best]["fwdbwd_ms"] / f["fwdbwd_ms"])
-        standard = [k for k in STANDARD if k in by]
+            s.update(best_unfused=unfused, fwdbwd_speedup_vs_best_unfused=by[unfused]["fwdbwd_ms"] / f["fwdbwd_ms"])
         if standard:
-            best = min(standard, key=lambda k: by[k]["fwdbwd_ms"])
-            s.update(best_standard=best, fwd_ratio_vs_standard=f["fwd_ms"] / by[best]["fwd_ms"],
-                     fwdbwd_ratio_vs_standard=f["fwdbwd_ms"] / by[best]["fwdbwd_ms"])
+            s.update(best_standard=standard, fwd_ratio_vs_standard=f["fwd_ms"] / by[standard]["fwd_ms"],
+                     fwdbwd_ratio_vs_standard=f["fwdbwd_ms"] / by[standard]["fwdbwd_ms"])
         out.append(s)
     return out
 
@@ -684,7 +674,10 @@ def layer_step(attn_type: str, mode: str, N: int, cfg: dict, device, dtype) -> C
 
 
 def forward_flops(attn_type: str, mode: str, N: int, cfg: dict) -> float:
-    """Matmul FLOPs of one causal forward; ``diff`` counted as the fused kernel runs it (docs/kernels.md)."""
+    """Matmul FLOPs of one causal forward; ``diff`` counted as the fused kernel runs it (docs/kernels.md).
+
+    fwd+bwd costs about 3x the forward for every type, so the ratios of the forward apply to it too.
+    """
     E, H = cfg["dim"], cfg["heads"]
     d = E // H
     n_q = 1 if mode == "decode" else N
