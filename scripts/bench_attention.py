@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from timm.layers.diff_attention import DiffAttention as TimmDiffAttention
 
-from bench_common import environment, interleaved_rounds, print_profile, warm_up
+from bench_common import environment, interleaved_rounds, print_profile, warm_up, write_json
 from diffmm.nn import Attention, DiffAttention
 from diffmm.ops import AttentionCall, select_backend
 from diffmm.ops.sdpa import _layout
@@ -123,13 +123,9 @@ def impl_child(impl: str, N: int, args) -> dict:
             res["auto_backend"] += "/" + _layout(None, q.device, N)
     res["fwd_peak_mb"] = peak_rise_mb(fwd)
     res["fwdbwd_peak_mb"] = peak_rise_mb(fwd_bwd)
-    for name, fn in (("fwd_ms", fwd), ("fwdbwd_ms", fwd_bwd)):  # the memory runs above were the warm-up
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        res[name] = statistics.median(times)
+    # the memory runs above were the warm-up
+    times, _ = interleaved_rounds({"fwd_ms": fwd, "fwdbwd_ms": fwd_bwd}, args.reps, 1, cpu_time=False)
+    res.update({name: 1e3 * statistics.median(t) for name, t in times.items()})
     res["loadavg_1m"] = os.getloadavg()[0]
     return res
 
@@ -285,9 +281,9 @@ def main(argv=None) -> int:
           "machine may be shared)")
     print("\n".join(v2_table(rows, args) if args.v2 else impls_table(rows, args)))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": "cpu", **env, "comparison": "v2" if args.v2 else "implementations", "dim": args.dim,
-                       "heads": args.heads, "batch": args.batch, "causal": args.causal, "rows": rows}, fh, indent=1)
+        write_json(args.json, {"device": "cpu", **env, "comparison": "v2" if args.v2 else "implementations",
+                               "dim": args.dim, "heads": args.heads, "batch": args.batch, "causal": args.causal,
+                               "rows": rows})
     return 0
 
 

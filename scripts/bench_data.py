@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 
 import diffmm
-from bench_common import Runner, contrastive_loss, environment
+from bench_common import Runner, contrastive_loss, environment, warm_up
 from diffmm.data.image_text import image_text_loader
 from diffmm.data.text import text_loader
 from diffmm.data.tokenizers import TokenizerFile, train_byte_level_bpe
@@ -58,13 +58,6 @@ def synthetic_text_shards(directory: str) -> tuple[str, object]:
     return w.pattern, train_byte_level_bpe(docs, os.path.join(directory, "tokenizer.json"), vocab_size=512)
 
 
-def image_pattern(data: str, tmp: str) -> tuple[str, str]:
-    shards = sorted(glob.glob(os.path.join(data, "emoji", "*", "*.tar")))
-    if shards:
-        return "::".join(shards), f"demo emoji shards ({len(shards)} shards)"
-    return synthetic_image_shards(tmp), "synthetic 109 px PNG shards"
-
-
 def loader_rate(loader, workers: int, count: Callable[[Any], int]) -> float:
     """Items per second of ``loader`` (``count(batch)`` items per batch), after the first batch of each worker."""
     it = iter(loader)
@@ -90,11 +83,9 @@ def bench_text_loader(pattern: str, tokenizer, workers: int, batch: int, seq_len
 
 def step_seconds(runner: Runner, batch: tuple, steps: int = 5) -> float:
     """Seconds per training step (forward + backward + AdamW) of ``runner`` on ``batch``, after one warm-up step."""
-    runner.step(*batch)
-    t = time.perf_counter()
-    for _ in range(steps):
-        runner.step(*batch)
-    return (time.perf_counter() - t) / steps
+    step = {runner.name: partial(runner.step, *batch)}
+    warm_up(step, 1)
+    return warm_up(step, steps)[runner.name] / steps
 
 
 def bench_clip_step(name: str, batch: int) -> tuple[str, float]:
@@ -131,7 +122,11 @@ def main() -> None:
     env = environment()
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        pattern, source = image_pattern(args.data, tmp)
+        shards = sorted(glob.glob(os.path.join(args.data, "emoji", "*", "*.tar")))
+        if shards:
+            pattern, source = "::".join(shards), f"demo emoji shards ({len(shards)} shards)"
+        else:
+            pattern, source = synthetic_image_shards(tmp), "synthetic 109 px PNG shards"
         for size in (64, 224):
             for workers in (1, 2):
                 sps = bench_image_loader(pattern, size, workers, args.batch, args.samples)

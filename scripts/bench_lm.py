@@ -102,8 +102,8 @@ def run(args) -> dict:
     rows = []
     for r in runners:
         n = r.name
-        rows.append(dict(model=n, params_m=r.params_m(), sec_per_step=med[n],
-                         tokens_per_s=tokens / med[n], warmup_s=warm[n],
+        rows.append(dict(model=n, params_m=r.params_m(), sec_per_step=med[n], tokens_per_s=tokens / med[n],
+                         warmup_s=warm[n],
                          speed_vs_difflama=med[HF_DIFF] / med[n] if HF_DIFF in med else None,
                          speed_vs_llama=med[HF_LLAMA] / med[n] if HF_LLAMA in med else None, all_s=times[n]))
     return {**env, "load_1m_end": os.getloadavg()[0], "batch": args.batch, "seq": args.seq, "layers": args.layers,

@@ -21,6 +21,7 @@ the CPU model, torch version, threads and the 1-minute load average at start and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -88,14 +89,13 @@ class TimedBatches:
 
 # ----- data and losses -------------------------------------------------------------------------------
 def clip_batches(n: int, batch: int, image_size: int, context_length: int, shards: str | None) -> list:
+    """``n`` batches from ``shards`` (random images and captions without shards, or when they hold fewer)."""
     if shards:
         dm = ImageTextDataModule(shards, batch_size=batch, num_workers=0, image_size=image_size,
                                  context_length=context_length, shuffle_buffer=100)
-        out = []
-        for b in dm.train_dataloader():
-            out.append(b)
-            if len(out) == n:
-                return out
+        out = list(itertools.islice(dm.train_dataloader(), n))
+        if len(out) == n:
+            return out
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(batch, 3, image_size, image_size, generator=g),
              torch.randint(1, 49407, (batch, context_length), generator=g)) for _ in range(n)]

@@ -326,11 +326,6 @@ def cell(row: dict, key: str) -> str:
     return "-" if value is None else str(value)
 
 
-def markdown_table(rows: list[dict], columns: dict[str, str]) -> list[str]:
-    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
-            ["| " + " | ".join(cell(r, key) for key in columns.values()) + " |" for r in rows])
-
-
 class Recorder:
     """Holds the results and rewrites ``<stem>.json`` and ``<stem>.md`` (atomically) on every :meth:`save`."""
 
@@ -373,7 +368,8 @@ class Recorder:
                 lines += [""] + [f"- {n}" for n in part["notes"]]
             for key, columns in TABLES[name].items():
                 if part.get(key):
-                    lines += [""] + markdown_table(part[key], columns)
+                    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                    lines += ["| " + " | ".join(cell(r, k) for k in columns.values()) + " |" for r in part[key]]
             if part.get("autotune") or part.get("skipped"):
                 lines.append("")
             lines += [f"- autotune {k}: " + "; ".join(f"{a} -> {b}" for a, b in v.items())
@@ -426,16 +422,20 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> tu
     return ok, errs
 
 
-def exact_zero_checks(c: Case, got: list[torch.Tensor], km) -> Optional[str]:
-    """None if fully masked rows (query rows that see no key) and padded keys got exact zeros, else what was not
-    zero."""
-    y, dq, dk, dv = got[:4]
-    keep = torch.ones(c.B, c.N, c.S, dtype=torch.bool, device=y.device)  # (B, N, S) query i sees key j
+def empty_row_mask(c: Case, km, device) -> torch.Tensor:
+    """(B, N) True for query rows that see no key."""
+    keep = torch.ones(c.B, c.N, c.S, dtype=torch.bool, device=device)
     if km is not None:
         keep &= km[:, None, :]
     if c.causal:
-        keep &= torch.ones(c.N, c.S, dtype=torch.bool, device=y.device).tril(c.S - c.N)
-    empty = ~keep.any(-1)  # (B, N)
+        keep &= torch.ones(c.N, c.S, dtype=torch.bool, device=device).tril(c.S - c.N)
+    return ~keep.any(-1)
+
+
+def exact_zero_checks(c: Case, got: list[torch.Tensor], km) -> Optional[str]:
+    """None if fully masked rows and padded keys got exact zeros, else what was not zero."""
+    y, dq, dk, dv = got[:4]
+    empty = empty_row_mask(c, km, y.device)
     bad = []
     if empty.any() and (y[empty] != 0).any():
         bad.append("output of rows without keys")

@@ -153,30 +153,29 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
     dest = os.path.join(root, DEMO_DIR)
     os.makedirs(dest, exist_ok=True)
     written = []
+
+    def write(name: str, text: str) -> None:
+        with open(os.path.join(dest, name), "w") as f:
+            f.write(text)
+        written.append(os.path.join(DEMO_DIR, name))
+
     with open(src_json) as f:
         text = scrub(f.read(), run_dir, root)
     r = json.loads(text)
-    with open(os.path.join(dest, "results.json"), "w") as f:
-        f.write(text)
-    written.append(os.path.join(DEMO_DIR, "results.json"))
+    write("results.json", text)
     config = {"command": r["command"], "preset": r["config"].get("preset", "custom"), "config": r["config"],
               "environment": r["environment"]}
-    with open(os.path.join(dest, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-        f.write("\n")
-    written.append(os.path.join(DEMO_DIR, "config.json"))
+    write("config.json", json.dumps(config, indent=1) + "\n")
     preset, steps = config["preset"], r["config"]["steps"]
-    with open(os.path.join(dest, "README.md"), "w") as f:
-        f.write(f"# The demo run behind docs/results.md\n\n"
-                f"`{r['command']}`, preset **{preset}**"
-                + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {steps['clip']} CLIP and {steps['lm']} LM "
-                   "steps; not the documented 3-seed comparison)" if preset == "quick" else "")
-                + f", finished {r.get('finished', '?')}.\n\n"
-                "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
-                "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
-                "regenerates the tables of docs/results.md. The full run:\n\n"
-                "    make demo && python scripts/results_tables.py --import-demo report\n")
-    written.append(os.path.join(DEMO_DIR, "README.md"))
+    write("README.md", f"# The demo run behind docs/results.md\n\n"
+          f"`{r['command']}`, preset **{preset}**"
+          + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {steps['clip']} CLIP and {steps['lm']} LM "
+             "steps; not the documented 3-seed comparison)" if preset == "quick" else "")
+          + f", finished {r.get('finished', '?')}.\n\n"
+          "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
+          "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
+          "regenerates the tables of docs/results.md. The full run:\n\n"
+          "    make demo && python scripts/results_tables.py --import-demo report\n")
     report = os.path.join(run_dir, "report.md")
     if os.path.isfile(report):
         with open(report) as f:
@@ -187,9 +186,7 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
                 os.makedirs(os.path.dirname(t), exist_ok=True)
                 shutil.copyfile(s, t)
                 written.append(os.path.join(DEMO_DIR, img))
-        with open(os.path.join(dest, "report.md"), "w") as f:
-            f.write(md)
-        written.append(os.path.join(DEMO_DIR, "report.md"))
+        write("report.md", md)
     return written
 
 
