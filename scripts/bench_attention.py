@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -45,24 +44,16 @@ from pathlib import Path
 
 import torch
 from timm.layers.diff_attention import DiffAttention as TimmDiffAttention
-from torch.profiler import ProfilerActivity, profile
 
-from diffmm.nn import Attention, DiffAttention, KVCache, create_attention
+from bench_common import environment, interleaved_rounds, print_profile, warm_up, write_json
+from diffmm.nn import Attention, DiffAttention
 from diffmm.ops import AttentionCall, select_backend
 from diffmm.ops.sdpa import _layout
+from gpu_check import DECODE_INNER, forward_flops, layer_step
 
 IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm",
          "standard-sdpa"]
 V2_TYPES = ("standard", "diff", "diff_v2")
-DECODE_INNER = 20  # decode steps per timed call (one step is ~1 ms)
-
-
-def environment() -> dict:
-    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 def status_mib(key: str) -> float:
@@ -132,13 +123,9 @@ def impl_child(impl: str, N: int, args) -> dict:
             res["auto_backend"] += "/" + _layout(None, q.device, N)
     res["fwd_peak_mb"] = peak_rise_mb(fwd)
     res["fwdbwd_peak_mb"] = peak_rise_mb(fwd_bwd)
-    for name, fn in (("fwd_ms", fwd), ("fwdbwd_ms", fwd_bwd)):  # the memory runs above were the warm-up
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        res[name] = statistics.median(times)
+    # the memory runs above were the warm-up
+    times, _ = interleaved_rounds({"fwd_ms": fwd, "fwdbwd_ms": fwd_bwd}, args.reps, 1, cpu_time=False)
+    res.update({name: 1e3 * statistics.median(t) for name, t in times.items()})
     res["loadavg_1m"] = os.getloadavg()[0]
     return res
 
@@ -157,14 +144,10 @@ def profile_impls(args) -> int:
             for _ in range(2):
                 layer(x, **kw).backward(dy)
             reps = args.reps or 3
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(reps):
-                    layer(x, **kw).backward(dy)
-            print(f"\n### {impl}: B={args.batch} N={N} width {args.dim}, {args.heads} differential heads, "
-                  f"{'causal' if args.causal else 'non-causal'}, {reps} x forward+backward, "
-                  f"{torch.get_num_threads()} threads (load {os.getloadavg()[0]:.1f})\n")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
-                                            max_name_column_width=40))
+            title = (f"{impl}: B={args.batch} N={N} width {args.dim}, {args.heads} differential heads, "
+                     f"{'causal' if args.causal else 'non-causal'}, {reps} x forward+backward, "
+                     f"{torch.get_num_threads()} threads")
+            print_profile(title, lambda: [layer(x, **kw).backward(dy) for _ in range(reps)], args.profile)
     return 0
 
 
@@ -206,49 +189,14 @@ def impls_table(rows: list[dict], args) -> list[str]:
 
 
 def v2_step(attn_type: str, mode: str, N: int, args):
-    """A zero-argument callable running one measured call of a new causal layer of ``attn_type``."""
-    torch.manual_seed(0)
-    m = create_attention(attn_type, args.dim, 2 * args.heads, causal=True)
-    x = torch.randn(args.batch, N, args.dim)
-    if mode == "fwd":
-        def step():
-            with torch.no_grad():
-                return m(x)
-    elif mode == "fwdbwd":
-        x.requires_grad_(True)
-
-        def step():
-            m.zero_grad(set_to_none=True)
-            x.grad = None
-            m(x).float().sum().backward()
-    elif mode == "decode":
-        cache = KVCache(N)
-        with torch.no_grad():
-            m(x[:, :N - 1], kv_cache=cache)  # prefill N-1 positions
-        x1 = x[:, N - 1:]
-
-        def step():
-            with torch.no_grad():
-                for _ in range(DECODE_INNER):
-                    cache.length = N - 1  # rewind, then attend 1 token over N keys
-                    m(x1, kv_cache=cache)
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
-    return step
+    """A zero-argument callable running one measured call of a new causal layer of ``attn_type`` (fp32, CPU): the
+    layers and steps of the GPU check's part 3 (``layer_step`` in scripts/gpu_check.py)."""
+    return layer_step(attn_type, mode, N, v2_config(args), torch.device("cpu"), torch.float32)
 
 
-def forward_flops(attn_type: str, mode: str, N: int, args) -> float:
-    """Matmul FLOPs of one forward (causal); ``diff`` counted as the fused kernel runs it (docs/kernels.md, section 3).
-
-    fwd+bwd costs about 3x the forward for every type, so the ratios of the forward apply to it too.
-    """
-    E, H = args.dim, 2 * args.heads
-    d = E // H
-    n_q = 1 if mode == "decode" else N
-    pairs = N if mode == "decode" else N * (N + 1) / 2  # causal (query, key) pairs
-    q_out = 2 * E if attn_type == "diff_v2" else E
-    proj = 2 * n_q * E * (q_out + 2 * E + E + (H if attn_type == "diff_v2" else 0))
-    return proj + {"standard": 4, "diff": 6, "diff_v2": 8}[attn_type] * pairs * d * H
+def v2_config(args) -> dict:
+    """The layer size of ``args`` as the GPU check's part 3 describes one: width, standard heads, batch."""
+    return dict(dim=args.dim, heads=2 * args.heads, batch=args.batch)
 
 
 def v2_child(attn_type: str, mode: str, N: int, args) -> dict:
@@ -262,19 +210,12 @@ def run_v2(args) -> list[dict]:
     for N in args.n:
         for mode in args.modes:
             steps = {t: v2_step(t, mode, N, args) for t in V2_TYPES}
-            times = {t: [] for t in V2_TYPES}
-            for step in steps.values():  # warm-up
-                step()
-                step()
-            for _ in range(args.reps):  # the layers take turns
-                for t, step in steps.items():
-                    t0 = time.perf_counter()
-                    step()
-                    times[t].append((time.perf_counter() - t0) * 1e3)
+            warm_up(steps, 2)
+            times, _ = interleaved_rounds(steps, args.reps, 1, cpu_time=False, tag=f"N={N} {mode} ")  # take turns
             del steps
             row = {"N": N, "mode": mode}
-            for t in V2_TYPES:
-                row[f"{t}_ms"] = statistics.median(times[t]) / (DECODE_INNER if mode == "decode" else 1)  # per token
+            for t in V2_TYPES:  # decode: per token
+                row[f"{t}_ms"] = 1e3 * statistics.median(times[t]) / (DECODE_INNER if mode == "decode" else 1)
             for t in V2_TYPES:
                 row[f"{t}_mib"] = run_child(args, t, N, "--v2", "--modes", mode).get("peak_mib")
             rows.append(row)
@@ -290,7 +231,7 @@ def v2_table(rows: list[dict], args) -> list[str]:
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         s, d1, d2 = r["standard_ms"], r["diff_ms"], r["diff_v2_ms"]
-        f0, f1, f2 = (forward_flops(t, r["mode"], r["N"], args) for t in V2_TYPES)
+        f0, f1, f2 = (forward_flops(t, r["mode"], r["N"], v2_config(args)) for t in V2_TYPES)
         lines.append(f"| {r['N']} | {r['mode']} | {s:.2f} | {d1:.2f} | {d2:.2f} | {d1 / s:.2f}x | {d2 / s:.2f}x | "
                      f"{f1 / f0:.2f}x | {f2 / f0:.2f}x | {fmt(r['standard_mib'])} | {fmt(r['diff_mib'])} | "
                      f"{fmt(r['diff_v2_mib'])} |")
@@ -340,9 +281,9 @@ def main(argv=None) -> int:
           "machine may be shared)")
     print("\n".join(v2_table(rows, args) if args.v2 else impls_table(rows, args)))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": "cpu", **env, "comparison": "v2" if args.v2 else "implementations", "dim": args.dim,
-                       "heads": args.heads, "batch": args.batch, "causal": args.causal, "rows": rows}, fh, indent=1)
+        write_json(args.json, {"device": "cpu", **env, "comparison": "v2" if args.v2 else "implementations",
+                               "dim": args.dim, "heads": args.heads, "batch": args.batch, "causal": args.causal,
+                               "rows": rows})
     return 0
 
 

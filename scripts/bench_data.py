@@ -20,32 +20,22 @@ import argparse
 import glob
 import io
 import os
-import platform
-import re
 import tempfile
 import time
-from pathlib import Path
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 import diffmm
+from bench_common import Runner, contrastive_loss, environment, warm_up
 from diffmm.data.image_text import image_text_loader
 from diffmm.data.text import text_loader
 from diffmm.data.tokenizers import TokenizerFile, train_byte_level_bpe
 from diffmm.data.writer import ShardWriter
 from diffmm.models.lm import DiffLM, LMConfig
-
-
-def environment() -> dict:
-    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 def synthetic_image_shards(directory: str, n: int = 1024) -> str:
@@ -66,13 +56,6 @@ def synthetic_text_shards(directory: str) -> tuple[str, object]:
         for i, d in enumerate(docs):
             w.write(f"{i:06d}", {"txt": d})
     return w.pattern, train_byte_level_bpe(docs, os.path.join(directory, "tokenizer.json"), vocab_size=512)
-
-
-def image_pattern(data: str, tmp: str) -> tuple[str, str]:
-    shards = sorted(glob.glob(os.path.join(data, "emoji", "*", "*.tar")))
-    if shards:
-        return "::".join(shards), f"demo emoji shards ({len(shards)} shards)"
-    return synthetic_image_shards(tmp), "synthetic 109 px PNG shards"
 
 
 def loader_rate(loader, workers: int, count: Callable[[Any], int]) -> float:
@@ -98,21 +81,11 @@ def bench_text_loader(pattern: str, tokenizer, workers: int, batch: int, seq_len
     return loader_rate(loader, workers, torch.Tensor.numel)
 
 
-def step_seconds(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], steps: int = 5) -> float:
-    """Seconds per training step (forward + backward + AdamW) of ``model`` with ``loss_fn``, after one warm-up."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        loss = loss_fn()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t) / steps
+def step_seconds(runner: Runner, batch: tuple, steps: int = 5) -> float:
+    """Seconds per training step (forward + backward + AdamW) of ``runner`` on ``batch``, after one warm-up step."""
+    step = {runner.name: partial(runner.step, *batch)}
+    warm_up(step, 1)
+    return warm_up(step, steps)[runner.name] / steps
 
 
 def bench_clip_step(name: str, batch: int) -> tuple[str, float]:
@@ -121,13 +94,8 @@ def bench_clip_step(name: str, batch: int) -> tuple[str, float]:
     v, t = model.config.vision_cfg, model.config.text_cfg
     images = torch.randn(batch, 3, v.image_size, v.image_size)
     text = torch.randint(1, t.vocab_size - 1, (batch, t.context_length))
-    labels = torch.arange(batch)
-
-    def loss():
-        logits = 100 * model.encode_image(images, normalize=True) @ model.encode_text(text, normalize=True).t()
-        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
-
-    return f"train step {name} ({v.image_size} px)", step_seconds(model, loss)
+    runner = Runner(name, model, partial(contrastive_loss, model.encode_image, model.encode_text), weight_decay=0.01)
+    return f"train step {name} ({v.image_size} px)", step_seconds(runner, (images, text))
 
 
 def bench_lm_step(attention: str, batch: int, seq_len: int) -> tuple[str, float, int]:
@@ -137,7 +105,8 @@ def bench_lm_step(attention: str, batch: int, seq_len: int) -> tuple[str, float,
     model, seq_len = DiffLM(cfg), min(seq_len, cfg.block_size)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len))
     y = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    return f"train step LM {preset} (seq {seq_len})", step_seconds(model, lambda: model(x, y)[1]), seq_len
+    runner = Runner(preset, model, lambda inputs, targets: model(inputs, targets)[1], weight_decay=0.01)
+    return f"train step LM {preset} (seq {seq_len})", step_seconds(runner, (x, y)), seq_len
 
 
 def main() -> None:
@@ -153,7 +122,11 @@ def main() -> None:
     env = environment()
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        pattern, source = image_pattern(args.data, tmp)
+        shards = sorted(glob.glob(os.path.join(args.data, "emoji", "*", "*.tar")))
+        if shards:
+            pattern, source = "::".join(shards), f"demo emoji shards ({len(shards)} shards)"
+        else:
+            pattern, source = synthetic_image_shards(tmp), "synthetic 109 px PNG shards"
         for size in (64, 224):
             for workers in (1, 2):
                 sps = bench_image_loader(pattern, size, workers, args.batch, args.samples)

@@ -5,8 +5,8 @@ weights are loaded three ways:
 
 - ``diffmm DIFF LM``: ``diffmm.load_pretrained(folder)`` (the DiffLlama format loader);
 - ``HF DiffLlama``: ``DiffLlamaForCausalLM.from_pretrained(folder)`` (``--hf-attn``, default sdpa);
-- ``HF Llama``: ``LlamaForCausalLM`` of the same shape (2h heads of dim d) with the same projection, MLP,
-  norm and embedding weights (the lambdas have no place in it), from a second local folder;
+- ``HF Llama``: ``LlamaForCausalLM.from_pretrained(folder)``: the same shape (2h heads of dim d) with the same
+  projection, MLP, norm and embedding weights (the lambdas have no place in it: reported as unused);
 - ``diffmm Transformer`` (``--with-twin``): diffmm's standard-attention LM of the same shape (2h heads of dim d),
   holding the DIFF LM's tensors (a timing twin: same shapes and work, not the same function).
 
@@ -22,20 +22,18 @@ torch version, threads and the 1-minute load average at start and end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import re
 import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 import diffmm
+from bench_common import (Runner, add_timing_args, environment, interleaved_rounds, print_profile, warm_up,
+                          write_json)
 from diffmm.hub.difflama import save_difflama
 from diffmm.models.lm import DiffLM, LMConfig
 
@@ -46,38 +44,16 @@ TWIN = "diffmm Transformer"
 COMPILED = "diffmm DIFF LM (compile)"
 
 
-def environment() -> dict:
-    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
-
-
 def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
-    from transformers import DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LMConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_embd=args.width,
                    n_head=2 * args.heads, attention="diff", tie_embeddings=False)
     save_difflama(DiffLM(cfg), folder / "difflama")
-    models = {DIFF: diffmm.load_pretrained(folder / "difflama")}
-    hf_diff = DiffLlamaForCausalLM.from_pretrained(folder / "difflama", attn_implementation=args.hf_attn)
-    models[HF_DIFF] = hf_diff
-    # HF Llama of equal size with the same non-lambda weights: the DiffLlama state dict minus its lambdas.
-    hf_cfg = hf_diff.config
-    llama_cfg = LlamaConfig(vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
-                            intermediate_size=hf_cfg.intermediate_size, num_hidden_layers=hf_cfg.num_hidden_layers,
-                            num_attention_heads=hf_cfg.num_attention_heads,
-                            num_key_value_heads=hf_cfg.num_key_value_heads, head_dim=hf_cfg.head_dim,
-                            max_position_embeddings=hf_cfg.max_position_embeddings, rms_norm_eps=hf_cfg.rms_norm_eps,
-                            rope_theta=getattr(hf_cfg, "rope_theta", 10000.0), tie_word_embeddings=False,
-                            attention_bias=False, mlp_bias=False)
-    llama = LlamaForCausalLM(llama_cfg)
-    sd = {k: v for k, v in hf_diff.state_dict().items() if ".lambda_" not in k}
-    llama.load_state_dict(sd, strict=True)
-    llama.save_pretrained(folder / "llama")
-    models[HF_LLAMA] = LlamaForCausalLM.from_pretrained(folder / "llama", attn_implementation=args.hf_attn)
+    models = {DIFF: diffmm.load_pretrained(folder / "difflama"),
+              HF_DIFF: DiffLlamaForCausalLM.from_pretrained(folder / "difflama", attn_implementation=args.hf_attn),
+              HF_LLAMA: LlamaForCausalLM.from_pretrained(folder / "difflama", attn_implementation=args.hf_attn)}
     if args.with_twin:
         twin = DiffLM(LMConfig(**{**cfg.to_dict(), "attention": "standard"}))
         twin_sd = twin.state_dict()
@@ -89,67 +65,45 @@ def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
     return models
 
 
-class Runner:
-    """One model with its optimizer and a step closure."""
-
-    def __init__(self, name: str, model: torch.nn.Module, compile_model: bool):
-        self.name, self.model = name, model.train()
-        self.is_hf = not isinstance(model, DiffLM)
-        self.fwd = torch.compile(model) if compile_model else model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.05)
-
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        logits = self.fwd(input_ids=idx).logits if self.is_hf else self.fwd(idx)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+def next_token_loss(forward, is_hf: bool, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``forward`` (an HF causal LM or a diffmm ``DiffLM``, maybe compiled)."""
+    logits = forward(input_ids=idx).logits if is_hf else forward(idx)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def warmed_up(args) -> tuple[list[Runner], dict, tuple]:
-    """The runners (``--only``) after ``--warmup`` steps each (and compiles), the seconds those took, and the
-    one training batch every model sees: inputs and next-token targets, (batch, seq) each."""
+def runner(name: str, model: torch.nn.Module) -> Runner:
+    """One model with its AdamW (the same settings for every model); ``COMPILED`` runs under torch.compile."""
+    forward = torch.compile(model) if name == COMPILED else model
+    return Runner(name, model, partial(next_token_loss, forward, not isinstance(model, DiffLM)), weight_decay=0.05)
+
+
+def warmed_up(args) -> tuple[list[Runner], dict, dict]:
+    """The runners (``--only``), their training steps on the one batch every model sees (inputs and next-token
+    targets, (batch, seq) each) after ``--warmup`` calls each (and compiles), and the seconds those took."""
     with tempfile.TemporaryDirectory(prefix="bench_lm_") as tmp:
         models = build_models(args, Path(tmp))
     keep = [s.strip() for s in args.only.split(",") if s.strip()]
-    runners = [Runner(n, m, n == COMPILED) for n, m in models.items() if not keep or n in keep]
+    runners = [runner(n, m) for n, m in models.items() if not keep or n in keep]
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     data = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    warm = {}
+    steps = {r.name: partial(r.step, *data) for r in runners}
+    warm = warm_up(steps, args.warmup)
     for r in runners:
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            r.step(*data)
-        warm[r.name] = time.perf_counter() - t0
-        print(f"  warm-up {r.name}: {warm[r.name]:.1f} s "
-              f"({sum(p.numel() for p in r.model.parameters()) / 1e6:.1f}M params)", flush=True)
-    return runners, warm, data
+        print(f"  warm-up {r.name}: {warm[r.name]:.1f} s ({r.params_m():.1f}M params)", flush=True)
+    return runners, steps, warm
 
 
 def run(args) -> dict:
     env = environment()
-    runners, warm, data = warmed_up(args)
-    clock = time.thread_time if args.cpu_time else time.perf_counter
-    times: dict[str, list[float]] = {r.name: [] for r in runners}
-    loads = []
-    for rnd in range(args.rounds):
-        order = runners if rnd % 2 == 0 else runners[::-1]  # alternate the order: no model always runs first
-        for r in order:
-            t0 = clock()
-            for _ in range(args.iters):
-                r.step(*data)
-            times[r.name].append((clock() - t0) / args.iters)
-        loads.append(os.getloadavg()[0])
-        print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
-              f" (load {loads[-1]:.1f})", flush=True)
+    runners, steps, warm = warmed_up(args)
+    times, loads = interleaved_rounds(steps, args.rounds, args.iters, args.cpu_time)
     tokens = args.batch * args.seq
     med = {n: statistics.median(t) for n, t in times.items()}
     rows = []
     for r in runners:
         n = r.name
-        rows.append(dict(model=n, params_m=sum(p.numel() for p in r.model.parameters()) / 1e6, sec_per_step=med[n],
-                         tokens_per_s=tokens / med[n], warmup_s=warm[n],
+        rows.append(dict(model=n, params_m=r.params_m(), sec_per_step=med[n], tokens_per_s=tokens / med[n],
+                         warmup_s=warm[n],
                          speed_vs_difflama=med[HF_DIFF] / med[n] if HF_DIFF in med else None,
                          speed_vs_llama=med[HF_LLAMA] / med[n] if HF_LLAMA in med else None, all_s=times[n]))
     return {**env, "load_1m_end": os.getloadavg()[0], "batch": args.batch, "seq": args.seq, "layers": args.layers,
@@ -160,12 +114,8 @@ def run(args) -> dict:
 def profile_steps(args) -> int:
     """torch.profiler table (top ``args.profile`` ops by self CPU time) of one training step per model."""
     args.warmup = max(1, args.warmup)
-    runners, _, data = warmed_up(args)
-    for r in runners:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            r.step(*data)
-        print(f"\n### {r.name}: one training step (load {os.getloadavg()[0]:.1f})\n")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile, max_name_column_width=40))
+    for name, step in warmed_up(args)[1].items():
+        print_profile(f"{name}: one training step", step, args.profile)
     return 0
 
 
@@ -192,19 +142,11 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iters", type=int, default=2, help="training steps per model per round")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (0 = torch's default)")
+    add_timing_args(p, rounds=5, iters=2, iters_help="training steps per model per round")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with the main thread's CPU time (robust on a busy machine; meaningful with --threads 1)")
     p.add_argument("--with-twin", action="store_true", help="also time diffmm's standard-attention LM")
     p.add_argument("--compile", action="store_true", help="also time the DIFF LM under torch.compile")
-    p.add_argument("--profile", type=int, default=0, metavar="K",
-                   help="instead of timing, print torch.profiler's top K ops by self CPU time for one step of each")
     p.add_argument("--only", default="", help="comma-separated model names to keep (e.g. 'diffmm DIFF LM')")
-    p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -214,8 +156,7 @@ def main(argv=None) -> int:
     print()
     print(table(res))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        write_json(args.json, res)
     return 0
 
 

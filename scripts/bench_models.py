@@ -17,21 +17,17 @@ CPU model, torch version, threads and the 1-minute load average at start and end
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import re
 import statistics
-import time
-from pathlib import Path
+from functools import partial
 
 import open_clip
 import torch
-import torch.nn.functional as F
 from open_clip.model import CLIP
-from torch.profiler import ProfilerActivity, profile
 
 import diffmm
+from bench_common import (Runner, add_timing_args, contrastive_loss, environment, interleaved_rounds, print_profile,
+                          warm_up, write_json)
 
 SIZES = {
     # name: (diffmm configs, open_clip config of equal size, batch)
@@ -43,82 +39,46 @@ SIZES = {
 OPEN_CLIP = "open_clip CLIP"
 
 
-def environment() -> dict:
-    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
+def runner(name: str, model: torch.nn.Module, compile_model: bool = False) -> Runner:
+    """One model with its AdamW (the same settings for every model) and, optionally, compiled encoders."""
+    encoders = model.encode_image, model.encode_text
+    if compile_model:
+        encoders = torch.compile(model.encode_image), torch.compile(model.encode_text)
+    return Runner(name, model, partial(contrastive_loss, *encoders), weight_decay=0.2, eps=1e-8)
 
 
-class Runner:
-    """One model, its AdamW and (optionally) its compiled encoders."""
-
-    def __init__(self, name: str, model: torch.nn.Module, compile_model: bool = False):
-        self.name, self.model = name, model.train()
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.2)
-        self.encode_image, self.encode_text = model.encode_image, model.encode_text
-        if compile_model:
-            self.encode_image = torch.compile(model.encode_image)
-            self.encode_text = torch.compile(model.encode_text)
-
-    def step(self, img: torch.Tensor, txt: torch.Tensor) -> None:
-        i, t = self.encode_image(img, normalize=True), self.encode_text(txt, normalize=True)
-        logits = 14.3 * i @ t.T
-        labels = torch.arange(len(i))
-        ((F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2).backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-
-def warmed_up(size: str, args) -> tuple[list[Runner], dict, tuple]:
-    """The size's runners after ``--warmup`` steps each, the seconds those took, and the batch (images, texts)."""
+def warmed_up(size: str, args) -> tuple[list[Runner], dict, dict, int]:
+    """The size's runners, their training steps on one batch of random images and texts after ``--warmup`` calls
+    each, the seconds those took, and the batch size."""
     (diff_name, twin_name), oc_cfg, batch = SIZES[size]
     torch.manual_seed(0)
-    runners = [Runner(diff_name, diffmm.create_model(diff_name)),
-               Runner(f"{twin_name} (diffmm)", diffmm.create_model(twin_name)),
-               Runner(OPEN_CLIP, open_clip.create_model(oc_cfg) if isinstance(oc_cfg, str) else CLIP(**oc_cfg))]
+    runners = [runner(diff_name, diffmm.create_model(diff_name)),
+               runner(f"{twin_name} (diffmm)", diffmm.create_model(twin_name)),
+               runner(OPEN_CLIP, open_clip.create_model(oc_cfg) if isinstance(oc_cfg, str) else CLIP(**oc_cfg))]
     if args.compile:
-        runners += [Runner(f"{diff_name} (compile)", diffmm.create_model(diff_name), compile_model=True),
-                    Runner(f"{twin_name} (diffmm, compile)", diffmm.create_model(twin_name), compile_model=True)]
+        runners += [runner(f"{diff_name} (compile)", diffmm.create_model(diff_name), compile_model=True),
+                    runner(f"{twin_name} (diffmm, compile)", diffmm.create_model(twin_name), compile_model=True)]
     cfg, batch = runners[0].model.config, args.batch or batch
     g = torch.Generator().manual_seed(0)
     img = torch.randn(batch, 3, cfg.vision_cfg.image_size, cfg.vision_cfg.image_size, generator=g)
     txt = torch.randint(1, 49000, (batch, cfg.text_cfg.context_length), generator=g)
     txt[:, -1] = 49407  # EOT
-    warm = {}
-    for r in runners:
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            r.step(img, txt)
-        warm[r.name] = time.perf_counter() - t0
-    return runners, warm, (img, txt)
+    steps = {r.name: partial(r.step, img, txt) for r in runners}
+    return runners, steps, warm_up(steps, args.warmup), batch
 
 
 def bench_size(size: str, args) -> list[dict]:
     iters = args.iters or (5 if size == "tiny" else 1)
     rounds = args.rounds if size == "tiny" else max(2, args.rounds // 2)
-    clock = time.thread_time if args.cpu_time else time.perf_counter
-    runners, warm, data = warmed_up(size, args)
-    times: dict[str, list[float]] = {r.name: [] for r in runners}
-    loads = []
-    for rnd in range(rounds):
-        for r in (runners if rnd % 2 == 0 else runners[::-1]):
-            t0 = clock()
-            for _ in range(iters):
-                r.step(*data)
-            times[r.name].append((clock() - t0) / iters)
-        loads.append(os.getloadavg()[0])
-        print(f"  {size} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
-              f" (load {loads[-1]:.1f})", flush=True)
-    ref, batch = statistics.median(times[OPEN_CLIP]), len(data[0])
+    runners, steps, warm, batch = warmed_up(size, args)
+    times, loads = interleaved_rounds(steps, rounds, iters, args.cpu_time, tag=f"{size} ")
+    ref = statistics.median(times[OPEN_CLIP])
     rows = []
     for r in runners:
         med = statistics.median(times[r.name])
         paired = statistics.median(o / t for o, t in zip(times[OPEN_CLIP], times[r.name]))
-        rows.append(dict(size=size, model=r.name, batch=batch, params_m=sum(p.numel() for p in r.model.parameters())
-                         / 1e6, sec_per_step=med, samples_per_s=batch / med, speed_vs_open_clip=ref / med,
-                         speed_vs_open_clip_paired=paired,
+        rows.append(dict(size=size, model=r.name, batch=batch, params_m=r.params_m(), sec_per_step=med,
+                         samples_per_s=batch / med, speed_vs_open_clip=ref / med, speed_vs_open_clip_paired=paired,
                          warmup_s=warm[r.name], loadavg_1m=[min(loads), max(loads)], all_s=times[r.name]))
     return rows
 
@@ -126,31 +86,17 @@ def bench_size(size: str, args) -> list[dict]:
 def profile_steps(args) -> int:
     """torch.profiler table (top ``args.profile`` ops by self CPU time) of one training step per model."""
     for size in args.sizes.split(","):
-        runners, _, data = warmed_up(size, args)
-        for r in runners:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                r.step(*data)
-            print(f"\n### {size} {r.name}: one training step, {torch.get_num_threads()} threads "
-                  f"(load {os.getloadavg()[0]:.1f})\n")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
-                                            max_name_column_width=40))
+        for name, step in warmed_up(size, args)[1].items():
+            print_profile(f"{size} {name}: one training step, {torch.get_num_threads()} threads", step, args.profile)
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="tiny,vit-b-16")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--iters", type=int, default=0, help="steps per round (default: 5 tiny, 1 ViT-B-16)")
-    p.add_argument("--warmup", type=int, default=2)
+    add_timing_args(p, rounds=7, iters=0, iters_help="steps per round (default: 5 tiny, 1 ViT-B-16)")
     p.add_argument("--batch", type=int, default=0, help="override the batch of every size")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (0 = torch's default)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with the main thread's CPU time (robust on a busy machine; meaningful with --threads 1)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd diffmm models")
-    p.add_argument("--profile", type=int, default=0, metavar="K",
-                   help="instead of timing, print torch.profiler's top K ops by self CPU time for one step of each")
-    p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -171,9 +117,7 @@ def main(argv=None) -> int:
               f"| {r['samples_per_s']:.1f} | {r['speed_vs_open_clip']:.2f}x "
               f"| {r['speed_vs_open_clip_paired']:.2f}x | {r['warmup_s']:.1f} |")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({**env, "clock": "thread_cpu" if args.cpu_time else "wall",
-                                               "rows": rows}, indent=1))
+        write_json(args.json, {**env, "clock": "thread_cpu" if args.cpu_time else "wall", "rows": rows})
     return 0
 
 

@@ -21,19 +21,17 @@ the CPU model, torch version, threads and the 1-minute load average at start and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
 import os
-import platform
-import re
 import statistics
 import sys
 import tempfile
 import time
 import warnings
 from argparse import Namespace
-from pathlib import Path
 from typing import Callable
 
 import open_clip
@@ -46,6 +44,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 import diffmm
+from bench_common import environment, write_json
 from diffmm.models.clip.config import get_model_config
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.train.callbacks import Checkpoint
@@ -55,14 +54,6 @@ from diffmm.train.datamodules import ImageTextDataModule
 from diffmm.train.lm_module import LMModule
 from diffmm.train.losses import ContrastiveLoss, next_token_loss
 from diffmm.train.optim import WarmupCosineLR, adamw
-
-
-def environment() -> dict:
-    """CPU model (/proc/cpuinfo), torch version, threads and the 1-minute load average now."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {"cpu": model.group(1) if model else platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_1m_start": os.getloadavg()[0]}
 
 
 class TimedBatches:
@@ -98,14 +89,13 @@ class TimedBatches:
 
 # ----- data and losses -------------------------------------------------------------------------------
 def clip_batches(n: int, batch: int, image_size: int, context_length: int, shards: str | None) -> list:
+    """``n`` batches from ``shards`` (random images and captions without shards, or when they hold fewer)."""
     if shards:
         dm = ImageTextDataModule(shards, batch_size=batch, num_workers=0, image_size=image_size,
                                  context_length=context_length, shuffle_buffer=100)
-        out = []
-        for b in dm.train_dataloader():
-            out.append(b)
-            if len(out) == n:
-                return out
+        out = list(itertools.islice(dm.train_dataloader(), n))
+        if len(out) == n:
+            return out
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(batch, 3, image_size, image_size, generator=g),
              torch.randint(1, 49407, (batch, context_length), generator=g)) for _ in range(n)]
@@ -132,7 +122,7 @@ def lm_loss(model, batch):
 
 
 # ----- contenders ------------------------------------------------------------------------------------
-def run_lightning(module_fn: Callable, data: TimedBatches, steps: int) -> None:
+def run_lightning(module: pl.LightningModule, data: TimedBatches, steps: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="32-true", gradient_clip_val=1.0,
                              log_every_n_steps=10, default_root_dir=root, enable_model_summary=False,
@@ -140,7 +130,7 @@ def run_lightning(module_fn: Callable, data: TimedBatches, steps: int) -> None:
                              callbacks=[LearningRateMonitor("step"),
                                         Checkpoint(dirpath=root, save_last=False, every_n_train_steps=10 ** 9)],
                              plugins=[AtomicCheckpointIO()], num_sanity_val_steps=0, limit_val_batches=0)
-        trainer.fit(module_fn(), train_dataloaders=data)
+        trainer.fit(module, train_dataloaders=data)
 
 
 def run_plain(model: torch.nn.Module, data: TimedBatches, steps: int, loss_fn: Callable, lr: float, wd: float,
@@ -170,7 +160,7 @@ def run_open_clip(model: torch.nn.Module, data: TimedBatches, steps: int, lr: fl
     except ImportError:  # an optional package
         run_plain(model, data, steps, open_clip_loss, lr, wd, clamp=True)
         return "the plain loop with open_clip.loss.ClipLoss (open_clip_train not installed)"
-    opt = build_adamw(param_groups(model, wd), lr, (0.9, 0.98), 1e-8)  # open_clip_train's groups: same rule
+    opt = adamw(model, lr, wd, (0.9, 0.98), 1e-8)  # open_clip_train's parameter groups: the same rule
     args = Namespace(device="cpu", precision="fp32", distill=False, accum_freq=1, skip_scheduler=False,
                      horovod=False, grad_clip_norm=1.0, log_every_n_steps=10, batch_size=len(data.batches[0][0]),
                      world_size=1, rank=0, local_rank=0, wandb=False)
@@ -193,28 +183,17 @@ def open_clip_twin(name: str) -> torch.nn.Module:
 
 def contenders(make_module: Callable, make_model: Callable, loss_fn: Callable, lr: float, wd: float,
                clamp: bool) -> dict:
-    """Lightning (``make_module()``) and the plain loop (``make_model()``), each from the same seed."""
-    def module():
-        torch.manual_seed(0)
-        return make_module()
-
-    def plain(data, steps):
-        torch.manual_seed(0)
-        run_plain(make_model(), data, steps, loss_fn, lr, wd, clamp)
-
-    return {"lightning": lambda data, steps: run_lightning(module, data, steps), "plain": plain}
+    """Lightning (``make_module()``) and the plain loop (``make_model()``), as ``measure`` runs contenders."""
+    return {"lightning": lambda data, steps: run_lightning(make_module(), data, steps),
+            "plain": lambda data, steps: run_plain(make_model(), data, steps, loss_fn, lr, wd, clamp)}
 
 
 def clip_contenders(name: str, lr: float, wd: float) -> dict:
     """Lightning and the plain loop on diffmm's ``name``; open_clip's step too when ``name`` is a standard CLIP."""
-    def oc(data, steps):
-        torch.manual_seed(0)
-        return run_open_clip(open_clip_twin(name), data, steps, lr, wd)
-
     out = contenders(lambda: CLIPModule(name, lr=lr, weight_decay=wd, warmup_steps=3, min_lr=lr / 50),
                      lambda: diffmm.create_model(name), clip_loss, lr, wd, clamp=True)
     if get_model_config(name).vision_cfg.attn_type == "standard":
-        out["open_clip"] = oc
+        out["open_clip"] = lambda data, steps: run_open_clip(open_clip_twin(name), data, steps, lr, wd)
     return out
 
 
@@ -239,6 +218,7 @@ def measure(label: str, unit: str, contenders: dict, batches: list, args, items:
     for r in range(args.repeats):
         for name, fn in contenders.items():
             data = TimedBatches(batches, steps)
+            torch.manual_seed(0)  # every contender's model from the same initialisation
             notes[name] = fn(data, steps)
             for clock in ("wall", "cpu"):
                 times[name][clock] += data.step_times(args.warmup, clock)
@@ -320,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     step_note = next((r["note"] for r in results if r["note"]), "")
     print_table(results, args, env, step_note)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**env, "results": results, "args": vars(args), "open_clip_step": step_note}, f, indent=1)
+        write_json(args.json, {**env, "results": results, "args": vars(args), "open_clip_step": step_note})
     return 0
 
 

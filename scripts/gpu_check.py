@@ -326,11 +326,6 @@ def cell(row: dict, key: str) -> str:
     return "-" if value is None else str(value)
 
 
-def markdown_table(rows: list[dict], columns: dict[str, str]) -> list[str]:
-    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
-            ["| " + " | ".join(cell(r, key) for key in columns.values()) + " |" for r in rows])
-
-
 class Recorder:
     """Holds the results and rewrites ``<stem>.json`` and ``<stem>.md`` (atomically) on every :meth:`save`."""
 
@@ -373,7 +368,8 @@ class Recorder:
                 lines += [""] + [f"- {n}" for n in part["notes"]]
             for key, columns in TABLES[name].items():
                 if part.get(key):
-                    lines += [""] + markdown_table(part[key], columns)
+                    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                    lines += ["| " + " | ".join(cell(r, k) for k in columns.values()) + " |" for r in part[key]]
             if part.get("autotune") or part.get("skipped"):
                 lines.append("")
             lines += [f"- autotune {k}: " + "; ".join(f"{a} -> {b}" for a, b in v.items())
@@ -426,11 +422,6 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> tu
     return ok, errs
 
 
-def worst(errs: dict, tol: float) -> str:
-    k = max(errs, key=errs.get)
-    return f"{k} error {errs[k]:.2e} > tol {tol:.0e}"
-
-
 def empty_row_mask(c: Case, km, device) -> torch.Tensor:
     """(B, N) True for query rows that see no key."""
     keep = torch.ones(c.B, c.N, c.S, dtype=torch.bool, device=device)
@@ -475,7 +466,8 @@ def correctness_case(ctx: Ctx, item: tuple, row: dict) -> None:
     if zero:
         row["zero_check"] = zero
     if row["status"] == "FAIL":
-        why = zero or worst(row["errs"], TOL[dtype])
+        worst = max(row["errs"], key=row["errs"].get)
+        why = zero or f"{worst} error {row['errs'][worst]:.2e} > tol {TOL[dtype]:.0e}"
         ctx.failures.append(f"correctness {backend} {DTYPE_NAMES[dtype]} {c.name}: {why}")
     if dtype != torch.float32 and unsupported("sdpa", c, q, km) is None:  # the noise floor of this dtype
         row["sdpa_errs"] = compare([t.float() for t in run_backend("sdpa", c, *inputs)], want, TOL[dtype])[1]
@@ -602,15 +594,13 @@ def speed_summary(rows: list[dict]) -> list[dict]:
         f = by["fused-triton"]
         s = {"d": key[0], "N": key[1], "causal": key[2], "fused_fwd_tflops": f["fwd_tflops"],
              "fused_fwdbwd_tflops": f["fwdbwd_tflops"]}
-        unfused = [k for k in UNFUSED if k in by]
+        unfused, standard = (min((k for k in names if k in by), key=lambda k: by[k]["fwdbwd_ms"], default=None)
+                             for names in (UNFUSED, STANDARD))  # the fastest path of each kind that ran
         if unfused:
-            best = min(unfused, key=lambda k: by[k]["fwdbwd_ms"])
-            s.update(best_unfused=best, fwdbwd_speedup_vs_best_unfused=by[best]["fwdbwd_ms"] / f["fwdbwd_ms"])
-        standard = [k for k in STANDARD if k in by]
+            s.update(best_unfused=unfused, fwdbwd_speedup_vs_best_unfused=by[unfused]["fwdbwd_ms"] / f["fwdbwd_ms"])
         if standard:
-            best = min(standard, key=lambda k: by[k]["fwdbwd_ms"])
-            s.update(best_standard=best, fwd_ratio_vs_standard=f["fwd_ms"] / by[best]["fwd_ms"],
-                     fwdbwd_ratio_vs_standard=f["fwdbwd_ms"] / by[best]["fwdbwd_ms"])
+            s.update(best_standard=standard, fwd_ratio_vs_standard=f["fwd_ms"] / by[standard]["fwd_ms"],
+                     fwdbwd_ratio_vs_standard=f["fwdbwd_ms"] / by[standard]["fwdbwd_ms"])
         out.append(s)
     return out
 
@@ -684,7 +674,10 @@ def layer_step(attn_type: str, mode: str, N: int, cfg: dict, device, dtype) -> C
 
 
 def forward_flops(attn_type: str, mode: str, N: int, cfg: dict) -> float:
-    """Matmul FLOPs of one causal forward; ``diff`` counted as the fused kernel runs it (docs/kernels.md)."""
+    """Matmul FLOPs of one causal forward; ``diff`` counted as the fused kernel runs it (docs/kernels.md).
+
+    fwd+bwd costs about 3x the forward for every type, so the ratios of the forward apply to it too.
+    """
     E, H = cfg["dim"], cfg["heads"]
     d = E // H
     n_q = 1 if mode == "decode" else N

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 from diffmm.demo.report import comparison_table
 
@@ -47,14 +47,9 @@ def _load_demo(root: str) -> dict:
         return json.load(f)
 
 
-def demo_preset(cfg: dict) -> str:
-    """The preset a run's config records: 'full', 'quick' or 'custom' (seeds, steps, parts or holdout changed)."""
-    return cfg.get("preset", "custom")
-
-
 def _recorded_preset(root: str) -> str | None:
-    """The preset recorded when the run was imported (``results/demo/config.json``): the presets' code may
-    change after a run, so the docs follow what was recorded, not today's defaults."""
+    """The preset ('full', 'quick' or 'custom') recorded when the run was imported (``results/demo/config.json``):
+    the presets' code may change after a run, so the docs follow what was recorded, not today's defaults."""
     path = os.path.join(root, "results", "demo", "config.json")
     if not os.path.isfile(path):
         return None
@@ -65,7 +60,7 @@ def _recorded_preset(root: str) -> str | None:
 def demo_run(root: str) -> str:
     r = _load_demo(root)
     cfg, env = r["config"], r["environment"]
-    preset = _recorded_preset(root) or demo_preset(cfg)
+    preset = _recorded_preset(root) or cfg.get("preset", "custom")
     steps = r.get("steps", [])
     failed = [s["name"] for s in steps if s["status"] == "failed"]
     rows = [
@@ -98,52 +93,43 @@ def demo_part(key: str, what: str) -> Callable[[str], str]:
 
 
 # ----------------------------------------------------------------------------------------- machinery
-SECTIONS: dict[str, tuple[str, str, Callable[[str], str]]] = {
-    "demo-run": ("docs/results.md", "results/demo/results.json", demo_run),
-    "demo-clip": ("docs/results.md", "results/demo/results.json", demo_part("clip", "image-text")),
-    "demo-lm": ("docs/results.md", "results/demo/results.json", demo_part("lm", "language")),
+DOC, SOURCE = "docs/results.md", "results/demo/results.json"  # the doc with generated sections, and their source
+SECTIONS: dict[str, Callable[[str], str]] = {
+    "demo-run": demo_run,
+    "demo-clip": demo_part("clip", "image-text"),
+    "demo-lm": demo_part("lm", "language"),
 }
 
 
-def _block(name: str, source: str, body: str) -> str:
-    return (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {source}) -->\n" + body.rstrip("\n") + "\n"
-            f"<!-- END GENERATED {name} -->")
+def _pattern(name: str) -> re.Pattern:
+    """The generated section ``name`` of the doc, its markers included."""
+    return re.compile(rf"<!-- BEGIN GENERATED {re.escape(name)} .*?-->\n.*?<!-- END GENERATED {re.escape(name)} -->",
+                      re.S)
 
 
-def render(root: str = REPO) -> tuple[dict[str, str], list[str]]:
-    """The regenerated text of every doc with generated sections, and the problems (missing markers)."""
-    docs: dict[str, str] = {}
-    problems = []
-    for name, (doc, source, fn) in SECTIONS.items():
-        if doc not in docs:
-            with open(os.path.join(root, doc), encoding="utf-8") as f:
-                docs[doc] = f.read()
-        pat = re.compile(rf"<!-- BEGIN GENERATED {re.escape(name)} .*?-->\n.*?<!-- END GENERATED {re.escape(name)} -->",
-                         re.S)
-        if not pat.search(docs[doc]):
-            problems.append(f"{doc}: no markers for section {name}")
+def _read_doc(root: str) -> str:
+    with open(os.path.join(root, DOC), encoding="utf-8") as f:
+        return f.read()
+
+
+def render(root: str = REPO) -> tuple[str, list[str]]:
+    """The regenerated text of the doc, and the problems (missing markers)."""
+    text, problems = _read_doc(root), []
+    for name, fn in SECTIONS.items():
+        if not _pattern(name).search(text):
+            problems.append(f"{DOC}: no markers for section {name}")
             continue
-        block = _block(name, source, fn(root))
-        docs[doc] = pat.sub(lambda m: block, docs[doc], count=1)
-    return docs, problems
+        block = (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {SOURCE}) -->\n" + fn(root).rstrip("\n") + "\n"
+                 f"<!-- END GENERATED {name} -->")
+        text = _pattern(name).sub(lambda m: block, text, count=1)
+    return text, problems
 
 
 def check(root: str = REPO) -> list[str]:
     """Names of the sections whose committed text differs from the generated one (and missing markers)."""
-    docs, problems = render(root)
-    stale = list(problems)
-    for doc, text in docs.items():
-        with open(os.path.join(root, doc), encoding="utf-8") as f:
-            current = f.read()
-        if current != text:
-            stale += [f"{doc}: {n}" for n, (d, _, _) in SECTIONS.items() if d == doc
-                      and _section(current, n) != _section(text, n)]
-    return stale
-
-
-def _section(text: str, name: str) -> Optional[str]:
-    m = re.search(rf"<!-- BEGIN GENERATED {re.escape(name)} .*?<!-- END GENERATED {re.escape(name)} -->", text, re.S)
-    return m.group(0) if m else None
+    text, problems = render(root)
+    current = _read_doc(root)
+    return problems + [f"{DOC}: {n}" for n in SECTIONS if _pattern(n).findall(current) != _pattern(n).findall(text)]
 
 
 # ------------------------------------------------------------------------------------------- import
@@ -167,30 +153,29 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
     dest = os.path.join(root, DEMO_DIR)
     os.makedirs(dest, exist_ok=True)
     written = []
+
+    def write(name: str, text: str) -> None:
+        with open(os.path.join(dest, name), "w") as f:
+            f.write(text)
+        written.append(os.path.join(DEMO_DIR, name))
+
     with open(src_json) as f:
         text = scrub(f.read(), run_dir, root)
     r = json.loads(text)
-    with open(os.path.join(dest, "results.json"), "w") as f:
-        f.write(text)
-    written.append(os.path.join(DEMO_DIR, "results.json"))
-    config = {"command": r["command"], "preset": demo_preset(r["config"]), "config": r["config"],
+    write("results.json", text)
+    config = {"command": r["command"], "preset": r["config"].get("preset", "custom"), "config": r["config"],
               "environment": r["environment"]}
-    with open(os.path.join(dest, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-        f.write("\n")
-    written.append(os.path.join(DEMO_DIR, "config.json"))
+    write("config.json", json.dumps(config, indent=1) + "\n")
     preset, steps = config["preset"], r["config"]["steps"]
-    with open(os.path.join(dest, "README.md"), "w") as f:
-        f.write(f"# The demo run behind docs/results.md\n\n"
-                f"`{r['command']}`, preset **{preset}**"
-                + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {steps['clip']} CLIP and {steps['lm']} LM "
-                   "steps; not the documented 3-seed comparison)" if preset == "quick" else "")
-                + f", finished {r.get('finished', '?')}.\n\n"
-                "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
-                "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
-                "regenerates the tables of docs/results.md. The full run:\n\n"
-                "    make demo && python scripts/results_tables.py --import-demo report\n")
-    written.append(os.path.join(DEMO_DIR, "README.md"))
+    write("README.md", f"# The demo run behind docs/results.md\n\n"
+          f"`{r['command']}`, preset **{preset}**"
+          + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {steps['clip']} CLIP and {steps['lm']} LM "
+             "steps; not the documented 3-seed comparison)" if preset == "quick" else "")
+          + f", finished {r.get('finished', '?')}.\n\n"
+          "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
+          "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "
+          "regenerates the tables of docs/results.md. The full run:\n\n"
+          "    make demo && python scripts/results_tables.py --import-demo report\n")
     report = os.path.join(run_dir, "report.md")
     if os.path.isfile(report):
         with open(report) as f:
@@ -201,9 +186,7 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
                 os.makedirs(os.path.dirname(t), exist_ok=True)
                 shutil.copyfile(s, t)
                 written.append(os.path.join(DEMO_DIR, img))
-        with open(os.path.join(dest, "report.md"), "w") as f:
-            f.write(md)
-        written.append(os.path.join(DEMO_DIR, "report.md"))
+        write("report.md", md)
     return written
 
 
@@ -224,19 +207,15 @@ def main(argv=None) -> int:
         for s in stale:
             print(f"stale: {s}", file=sys.stderr)
         return 1 if stale else 0
-    docs, problems = render(a.root)
+    text, problems = render(a.root)
     if problems:
         for s in problems:
             print(f"error: {s}", file=sys.stderr)
         return 1
-    for doc, text in docs.items():
-        path = os.path.join(a.root, doc)
-        with open(path, encoding="utf-8") as f:
-            if f.read() == text:
-                continue
-        with open(path, "w", encoding="utf-8") as f:
+    if text != _read_doc(a.root):
+        with open(os.path.join(a.root, DOC), "w", encoding="utf-8") as f:
             f.write(text)
-        print(f"updated {doc}")
+        print(f"updated {DOC}")
     return 0
 
 

@@ -23,8 +23,7 @@ def rt():
 @pytest.fixture
 def tree(tmp_path, rt) -> str:
     """A copy of the docs and results the generator reads."""
-    files = {doc for doc, _, _ in rt.SECTIONS.values()} | {src for _, src, _ in rt.SECTIONS.values()}
-    files.add(os.path.join("results", "demo", "config.json"))  # the preset recorded at import
+    files = {rt.DOC, rt.SOURCE, os.path.join("results", "demo", "config.json")}  # + the preset recorded at import
     for f in files:
         os.makedirs(tmp_path / os.path.dirname(f), exist_ok=True)
         shutil.copyfile(os.path.join(ROOT, f), tmp_path / f)
