@@ -110,21 +110,8 @@ class RecallTask:
             s += f"-Q{self.num_queries}"
         return s
 
-    def replace(self, **changes: Any) -> "RecallTask":
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "RecallTask") -> "RecallTask":
-        """Build from a dict; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; expected some of "
-                             f"{', '.join(sorted(known))}")
-        return cls(**d)
 
 
 @dataclass
@@ -149,10 +136,6 @@ class RecallBatch:
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
-
-    def as_training(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``: what the training module consumes (``LMModule``: loss where targets are not -100)."""
-        return self.inputs, self.targets
 
 
 def _rng(seed: int, index: int, stream: int = 0) -> np.random.Generator:
@@ -233,17 +216,6 @@ def task_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterable[int]
     return tasks, skipped
 
 
-def task_weights(tasks: Sequence[RecallTask], weights: Optional[Sequence[float]]) -> np.ndarray:
-    """Normalised mixture weights (uniform when None)."""
-    if not tasks:
-        raise ValueError("recall: give at least one task")
-    w = np.ones(len(tasks)) if weights is None else np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(tasks),) or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"recall: weights {list(weights or [])} must be {len(tasks)} non-negative numbers, "
-                         f"not all 0")
-    return w / w.sum()
-
-
 class RecallStream(torch.utils.data.IterableDataset):
     """Endless training batches ``(inputs, targets)`` from a mixture of :class:`RecallTask` s.
 
@@ -273,7 +245,13 @@ class RecallStream(torch.utils.data.IterableDataset):
             raise ValueError(f"RecallStream: batch_tokens must be >= 1, got {batch_tokens}")
         self.tasks, self.batch_size, self.seed = list(tasks), int(batch_size), int(seed)
         self.batch_tokens = None if batch_tokens is None else int(batch_tokens)
-        self.weights = task_weights(self.tasks, weights)
+        if not self.tasks:
+            raise ValueError("RecallStream: give at least one task")
+        w = np.ones(len(tasks)) if weights is None else np.asarray(weights, dtype=np.float64)
+        if w.shape != (len(tasks),) or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"RecallStream: weights {list(weights or [])} must be {len(tasks)} non-negative numbers, "
+                             f"not all 0")
+        self.weights = w / w.sum()
         self.rank, self.world_size, self.start = int(rank), int(world_size), int(start)
 
     def task_of(self, n: int) -> RecallTask:
@@ -288,7 +266,8 @@ class RecallStream(torch.utils.data.IterableDataset):
     def batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch ``n``."""
         task = self.task_of(n)
-        return make_recall_batch(task, self.rows(task), seed=self.seed, index=n).as_training()
+        b = make_recall_batch(task, self.rows(task), seed=self.seed, index=n)
+        return b.inputs, b.targets
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()

@@ -14,17 +14,15 @@ import json
 import os
 import random
 import re
-import warnings
 from typing import Iterator, Literal, Optional, Sequence
 
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from diffmm.data.decode import MAX_IMAGE_PIXELS, decode_image, decode_text
+from diffmm.data.decode import MAX_IMAGE_PIXELS, BadImage, decode_image, decode_text, load_image
 from diffmm.data.sizes import stated_counts, write_sizes
 from diffmm.data.stats import DataStats
 from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT, ReadLimits, iter_tar_samples
-from diffmm.data.text import count_tokens, write_token_counts
+from diffmm.data.text import TOKENS_FILE, count_tokens
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer, train_byte_level_bpe
 from diffmm.data.urls import check_shards_exist, expand_sources
 from diffmm.data.writer import ShardWriter, check_prefix, sanitize_key
@@ -33,10 +31,6 @@ STORED_AS_IS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 IMAGE_COLUMNS = ("image", "file", "filename", "filepath", "path", "url")
 CAPTION_COLUMNS = ("caption", "text", "title", "txt")
-
-
-class BadImage(ValueError):
-    """A file that is not a decodable image (or is larger than the pixel cap)."""
 
 
 def parse_size(size: int | str) -> int:
@@ -68,27 +62,15 @@ def image_field(path: str, max_pixels: Optional[int] = None) -> tuple[str, bytes
     with open(path, "rb") as f:
         data = f.read()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own cap follows
-            img = Image.open(io.BytesIO(data))
-        with img:
-            w, h = img.size
-            limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
-            if limit and w * h > limit:
-                raise BadImage(f"{path}: {w}x{h} image has more than {limit} pixels")
-            img.load()
-            fmt = img.format
-            if fmt in STORED_AS_IS:
-                return STORED_AS_IS[fmt], data
-            buf = io.BytesIO()
-            img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, "PNG")
-            return "png", buf.getvalue()
-    except BadImage:
-        raise
-    except UnidentifiedImageError:
-        raise BadImage(f"{path}: not an image format Pillow recognises") from None
-    except Exception as e:  # Pillow raises many types for bad bytes
-        raise BadImage(f"{path}: not a decodable image ({type(e).__name__}: {e})") from None
+        img = load_image(data, MAX_IMAGE_PIXELS if max_pixels is None else max_pixels)
+    except BadImage as e:
+        raise type(e)(f"{path}: {e}") from None
+    with img:
+        if img.format in STORED_AS_IS:
+            return STORED_AS_IS[img.format], data
+        buf = io.BytesIO()
+        img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, "PNG")
+        return "png", buf.getvalue()
 
 
 def read_table(path: str) -> list[dict]:
@@ -336,8 +318,8 @@ def write_shards_from_text(out: str, files: Sequence[str], *, tokenizer: Optiona
     elif tokenizer:
         tok = load_lm_tokenizer(tokenizer)
     if tok is not None:
-        counts = count_tokens(writer.shards, tok)
-        print(f"{sum(counts.values())} tokens ({tok.name}) -> {write_token_counts(out, tok, counts)}")
+        tokens = sum(count_tokens(writer.shards, tok).values())
+        print(f"{tokens} tokens ({tok.name}) -> {os.path.join(out, TOKENS_FILE)}")
     return writer
 
 
