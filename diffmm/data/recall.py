@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from diffmm.data.dist import worker_id_count
+
 IGNORE = -100
 BLANK = 0
 SPLITS = ("train", "eval", "mixture")
@@ -142,12 +144,6 @@ def _rng(seed: int, index: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(index), int(stream), 0x5EC]))
 
 
-def _sample_without_replacement(rng: np.random.Generator, weights: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """(rows, k) indices drawn without replacement with probabilities ~ ``weights`` (Gumbel top-k)."""
-    g = np.log(weights)[None, :] - np.log(-np.log(rng.random((rows, weights.shape[0]))))
-    return np.argsort(-g, axis=1, kind="stable")[:, :k]
-
-
 def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: int = 0, *,
                       split: str = "train") -> RecallBatch:
     """Batch number ``index`` of the stream ``seed`` for ``task``: a pure function of its arguments.
@@ -170,10 +166,12 @@ def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: i
     filler = rng.integers(1, task.vocab_size, size=(B, T - 2 * N))
     use = rng.random((B, T - 2 * N)) < task.noise
     x[:, 2 * N:] = np.where(use, filler, BLANK)
-    # queries: Q distinct pairs, at Q distinct slots drawn by the power law
+    # queries: Q distinct pairs, at Q distinct slots drawn by the power law without replacement (Gumbel top-k)
     pair = np.argsort(rng.random((B, N)), axis=1)[:, :Q]                          # (B, Q)
     i = np.arange(1, task.slots + 1, dtype=np.float64)
-    slot = _sample_without_replacement(rng, task.query_power * i ** (task.query_power - 1.0), B, Q)
+    log_w = np.log(task.query_power * i ** (task.query_power - 1.0))
+    gumbel = log_w[None, :] - np.log(-np.log(rng.random((B, task.slots))))
+    slot = np.argsort(-gumbel, axis=1, kind="stable")[:, :Q]
     order = np.argsort(slot, axis=1)
     slot, pair = np.take_along_axis(slot, order, 1), np.take_along_axis(pair, order, 1)
     pos = 2 * N + 2 * slot                                                         # (B, Q)
@@ -187,12 +185,8 @@ def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: i
 
 def eval_batches(task: RecallTask, examples: int, batch_size: int, seed: int) -> Iterator[RecallBatch]:
     """``examples`` sequences of ``task`` in batches (the last one smaller): a fixed evaluation set per seed."""
-    n, index = 0, 0
-    while n < examples:
-        b = min(batch_size, examples - n)
-        yield make_recall_batch(task, b, seed=seed, index=index, split="eval")
-        n += b
-        index += 1
+    for index, start in enumerate(range(0, examples, batch_size)):
+        yield make_recall_batch(task, min(batch_size, examples - start), seed=seed, index=index, split="eval")
 
 
 def task_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterable[int], *, noise: float = 1.0,
@@ -270,8 +264,7 @@ class RecallStream(torch.utils.data.IterableDataset):
         return b.inputs, b.targets
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        wid, nw = worker_id_count()
         k = self.start + wid
         while True:
             yield self.batch(k * self.world_size + self.rank)

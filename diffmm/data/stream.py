@@ -124,17 +124,12 @@ class ShardStream(IterableDataset):
     # ----- epochs and distributed setup -------------------------------------------------------
     def use_context(self, ctx) -> None:
         """Create the state shared with DataLoader workers (epoch, counters) in multiprocessing context ``ctx``."""
-        epoch = ctx.Value("q", self._epoch.value)
-        self._epoch = epoch
+        self._epoch = ctx.Value("q", self._epoch.value)
         self.stats.use_context(ctx)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (changes shard order, shuffles and resampling); visible to running workers."""
         self._epoch.value = int(epoch)
-
-    def _current_epoch(self) -> int:
-        e = self._epoch.value
-        return e if e >= 0 else self._local_iters
 
     def rank_world(self) -> tuple[int, int]:
         """(rank, world size): explicit arguments, else the main-process snapshot, else detected now."""
@@ -288,7 +283,7 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         rank, world = self.rank_world()
         worker, n_workers = worker_id_count()
-        epoch = self._current_epoch()
+        epoch = self._epoch.value if self._epoch.value >= 0 else self._local_iters
         self._local_iters += 1
         rng = random.Random(worker_seed(self.seed, epoch, rank, worker))
         produced = [0]

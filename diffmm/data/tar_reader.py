@@ -151,19 +151,13 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
         return index
     if close_error is not None:
         stats.shard_problem("shards_failed", url, close_error)
-        if problem is not None:
-            if current is not None and wanted(index):
-                stats.add("samples_in")
-                stats.skip("truncated", f"{url}:{current['__key__']}")
-            return index
+    elif problem is not None and n_members == 0 and "empty file" in problem:
+        stats.shard_problem("shards_empty", url)
+    elif problem is not None and n_members == 0 and not getattr(tf, "_diffmm_cut", False):
+        stats.shard_problem("shards_failed", url, f"not a readable tar ({problem})")
     elif problem is not None:
-        if n_members == 0 and "empty file" in problem:
-            stats.shard_problem("shards_empty", url)
-            return index
-        if n_members == 0 and not getattr(tf, "_diffmm_cut", False):
-            stats.shard_problem("shards_failed", url, f"not a readable tar ({problem})")
-            return index
         stats.shard_problem("shards_truncated", url, problem)
+    if problem is not None:
         if current is not None and wanted(index):
             # the sample being read when the stream broke may be incomplete: never use it
             stats.add("samples_in")

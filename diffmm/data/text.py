@@ -77,18 +77,15 @@ class TextDataset(ShardStream):
         first use by tokenizing the shards once when it has no entry for this tokenizer)."""
         if self._samples_per_epoch is None:
             tokens = read_token_counts(self.urls, self.tokenizer.name)
+            if tokens is None and not all(is_local(u) for u in self.urls):
+                raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to "
+                                 "the shards and they are not local files; pass samples_per_epoch= (rows per epoch)")
             if tokens is None:
-                tokens = self._count_tokens_once()
+                log.info("%s: no tokens.json entry for tokenizer %s: tokenizing %d shard(s) once to count tokens",
+                         self.name, self.tokenizer.name, len(self.urls))
+                tokens = sum(count_tokens(self.urls, self.tokenizer, progress=self.rank_world()[0] == 0).values())
             self._samples_per_epoch = tokens // (self.seq_len + 1)
         return self._samples_per_epoch
-
-    def _count_tokens_once(self) -> int:
-        if not all(is_local(u) for u in self.urls):
-            raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to the "
-                             "shards and they are not local files; pass samples_per_epoch= (rows per epoch)")
-        log.info("%s: no tokens.json entry for tokenizer %s: tokenizing %d shard(s) once to count tokens",
-                 self.name, self.tokenizer.name, len(self.urls))
-        return sum(count_tokens(self.urls, self.tokenizer, progress=self.rank_world()[0] == 0).values())
 
     def _process(self, sample: dict) -> list[int] | None:
         """The document's tokens followed by the end-of-document id, or ``None`` after counting a skip."""
