@@ -21,22 +21,16 @@ class LMTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-class ClipBPE:
-    """The CLIP BPE as an LM tokenizer (lower-cases text, drops some whitespace); eos = ``<end_of_text>``."""
+class ClipBPE(SimpleTokenizer):
+    """The CLIP BPE (open_clip's) as an LM tokenizer: ``encode`` (no special tokens; lower-cases text, drops some
+    whitespace) and ``decode``; eos = ``<end_of_text>``."""
+
+    name = "clip-bpe"
 
     def __init__(self) -> None:
-        self._tok = SimpleTokenizer()
-        self.vocab_size = len(self._tok.encoder)
-        self.eos_id = self._tok.eot_token_id
-        self.name = "clip-bpe"
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens)."""
-        return self._tok.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``."""
-        return self._tok.decode(ids)
+        super().__init__()
+        self.vocab_size = len(self.encoder)
+        self.eos_id = self.eot_token_id
 
 
 class TokenizerFile:

@@ -42,18 +42,13 @@ def expand_sources(spec: str | Sequence[str], weights: Sequence[float] | None = 
     specs = [p for part in parts for p in str(part).split("::") if p.strip()]
     if not specs:
         raise ValueError("no shard urls given")
-    if weights is None:
-        weights = [1.0] * len(specs)
-    weights = [float(w) for w in weights]
+    weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
     if len(weights) != len(specs):
         raise ValueError(f"got {len(weights)} source weights for {len(specs)} sources: {specs}")
     if any(w <= 0 for w in weights):
         raise ValueError(f"source weights must be positive, got {weights}")
-    sources = []
-    for s, w in zip(specs, weights):
-        urls = tuple(u for pattern in braceexpand.braceexpand(s.strip()) for u in expand_glob(pattern))
-        sources.append(Source(urls=urls, weight=w))
-    return sources
+    return [Source(urls=tuple(u for pattern in braceexpand.braceexpand(s.strip()) for u in expand_glob(pattern)),
+                   weight=w) for s, w in zip(specs, weights)]
 
 
 def _has_magic(url: str) -> bool:
