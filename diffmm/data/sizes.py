@@ -118,12 +118,12 @@ def shard_counts(urls: Sequence[str], progress: bool = False) -> dict[str, Shard
         UnknownShardSize: a non-local url.
         FileNotFoundError: a missing shard.
     """
-    _check_local(urls, "the sample count of {url!r} is unknown (not a local file); pass the epoch size "
-                       "(samples_per_epoch) or use local shards")
     out = stated_counts(urls, use_cache=True)
     new: dict[str, dict[str, dict]] = {}
+    unknown = ("the sample count of {url!r} is unknown (not a local file); pass the epoch size (samples_per_epoch) "
+               "or use local shards")
     for url, directory, name, n, st in _count([u for u in dict.fromkeys(urls) if u not in out], "counting samples",
-                                              progress):
+                                              progress, unknown):
         out[url] = ShardCount(n, "counted")
         new.setdefault(directory, {})[name] = {"samples": n, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     for directory, entries in new.items():
@@ -147,23 +147,21 @@ def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[st
     """Count every shard (ignoring existing ``sizes.json`` entries) and merge the counts into the
     ``sizes.json`` of each shard's folder; returns ``{sizes.json path: {name: samples}}``."""
     urls = list(urls)
-    _check_local(urls, "{url!r}: only local shards can be indexed")
     written: dict[str, dict[str, int]] = {}
-    for _, directory, name, n, _ in _count(urls, "indexing", progress):
+    for _, directory, name, n, _ in _count(urls, "indexing", progress, "{url!r}: only local shards can be indexed"):
         written.setdefault(os.path.join(directory, SIZES_FILE), {})[name] = n
     for path, counts in written.items():
         _merge_json(path, counts)
     return written
 
 
-def _check_local(urls: Iterable[str], message: str) -> None:
+def _count(urls: Sequence[str], desc: str, progress: bool,
+           unknown: str) -> Iterator[tuple[str, str, str, int, os.stat_result]]:
+    """Count the samples of each shard now: ``(url, folder, file name, samples, stat)``; first, a url that is not a
+    local file raises :class:`UnknownShardSize` with the message ``unknown``."""
     for url in urls:
         if not is_local(url):
-            raise UnknownShardSize(message.format(url=url))
-
-
-def _count(urls: Sequence[str], desc: str, progress: bool) -> Iterator[tuple[str, str, str, int, os.stat_result]]:
-    """Count the samples of each shard now: ``(url, folder, file name, samples, stat)``."""
+            raise UnknownShardSize(unknown.format(url=url))
     for url in tqdm(urls, desc=desc, unit="shard", disable=not progress or len(urls) < 2):
         st = _stat(url)
         yield (url, *_split(url), inspect_shard(url), st)

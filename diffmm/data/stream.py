@@ -30,7 +30,6 @@ import multiprocessing as mp
 import random
 from typing import Any, Iterator, Sequence
 
-import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
