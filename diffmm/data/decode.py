@@ -20,6 +20,14 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 MAX_IMAGE_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
 
 
+class BadImage(ValueError):
+    """Bytes that are not an image Pillow can decode."""
+
+
+class ImageTooLarge(BadImage):
+    """An image with more pixels than the cap (a decompression bomb, or just too large)."""
+
+
 def decode_image(sample: dict, stats: DataStats, where: str, max_pixels: Optional[int] = MAX_IMAGE_PIXELS) -> Any:
     """The sample's image, fully decoded, or ``None`` after counting a skip.
 
@@ -39,6 +47,25 @@ def decode_image(sample: dict, stats: DataStats, where: str, max_pixels: Optiona
                                                  f"max_image_pixels={max_pixels}")
             return None
         return value
+    try:
+        return load_image(value, max_pixels)
+    except ImageTooLarge as e:
+        stats.skip("image_too_large", where, f"{field}: {e}")
+    except BadImage as e:
+        stats.skip("corrupt_image", where, f"{field}: {e}")
+    return None
+
+
+def load_image(data: bytes, max_pixels: Optional[int] = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Image bytes fully decoded by Pillow.
+
+    Images with more than ``max_pixels`` pixels (width x height from the header, checked before any
+    decoding) are refused; ``None`` lifts the cap (Pillow's own bomb check is replaced by this one).
+
+    Raises:
+        ImageTooLarge: more than ``max_pixels`` pixels.
+        BadImage: not an image Pillow can decode.
+    """
     pillow_limit = Image.MAX_IMAGE_PIXELS
     try:
         with warnings.catch_warnings():
@@ -46,21 +73,20 @@ def decode_image(sample: dict, stats: DataStats, where: str, max_pixels: Optiona
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             if max_pixels is None or (pillow_limit and 2 * pillow_limit < max_pixels):
                 Image.MAX_IMAGE_PIXELS = None  # the caller asked for more than Pillow allows
-            img = Image.open(io.BytesIO(value))
+            img = Image.open(io.BytesIO(data))
             w, h = img.size
             if max_pixels is not None and w * h > max_pixels:
-                stats.skip("image_too_large", where, f"{field}: {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
-                return None
+                raise ImageTooLarge(f"{w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
             img.load()
+            return img
+    except BadImage:
+        raise
     except Image.DecompressionBombError as e:
-        stats.skip("image_too_large", where, f"{field}: {e}")
-        return None
+        raise ImageTooLarge(str(e)) from None
     except Exception as e:  # PIL raises many types for bad bytes
-        stats.skip("corrupt_image", where, f"{field}: {type(e).__name__}: {e}")
-        return None
+        raise BadImage(f"not a decodable image ({type(e).__name__}: {e})") from None
     finally:
         Image.MAX_IMAGE_PIXELS = pillow_limit
-    return img
 
 
 def decode_text(sample: dict, field: str, stats: DataStats, where: str) -> Optional[str]:

@@ -17,6 +17,7 @@ epoch and fewer than one global batch is left out. Without counts (``pipe:`` url
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -112,34 +113,25 @@ def plan_ranges(urls: Sequence[str], sizes: Sequence[int], weights: Sequence[int
     ``q * batch`` samples whenever ``N >= W * batch``. A range becomes slices of at most two partial
     shards and whole shards between them.
     """
-    total_w = sum(weights)
-    n = sum(sizes)
-    bounds = [0]
-    acc = 0
-    for w in weights:
-        acc += w
-        bounds.append(n * acc // total_w if total_w else n)
+    total_w, n = sum(weights), sum(sizes)
+    bounds = [0] + [n * acc // total_w if total_w else n for acc in itertools.accumulate(weights)]
+    starts = list(itertools.accumulate(sizes, initial=0))
     plans: list[list[ShardSlice]] = [[] for _ in weights]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size)
     g = 0
     for i, (url, size) in enumerate(zip(urls, sizes)):
         lo, hi = starts[i], starts[i + 1]
+        source = size_from[i] if size_from else "sizes.json"
         while g < len(weights) and bounds[g + 1] <= lo:
             g += 1
         if size == 0:  # an empty shard still goes to a worker: the reader checks (and reports) it
-            owner = min(g, len(weights) - 1)
-            plans[owner].append(ShardSlice(url, start=0, stop=0, size=0,
-                                           size_from=size_from[i] if size_from else "sizes.json"))
+            plans[min(g, len(weights) - 1)].append(ShardSlice(url, start=0, stop=0, size=0, size_from=source))
             continue
-        h = g
-        while h < len(weights) and bounds[h] < hi:
+        for h in range(g, len(weights)):
+            if bounds[h] >= hi:
+                break
             a, b = max(lo, bounds[h]), min(hi, bounds[h + 1])
             if b > a:
-                plans[h].append(ShardSlice(url, start=a - lo, stop=b - lo, size=size,
-                                           size_from=size_from[i] if size_from else "sizes.json"))
-            h += 1
+                plans[h].append(ShardSlice(url, start=a - lo, stop=b - lo, size=size, size_from=source))
     return plans
 
 

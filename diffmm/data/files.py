@@ -1,11 +1,14 @@
-"""The one JSON writer of diffmm: atomic, so a reader never sees half a file."""
+"""The one JSON writer of diffmm (atomic, so a reader never sees half a file) and a forgiving JSON reader."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
-from typing import Any
+from typing import Any, Optional
+
+log = logging.getLogger("diffmm.data")
 
 
 def _finite(obj: Any) -> Any:
@@ -45,3 +48,16 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, sort_keys: bool = False
             os.remove(tmp)
         raise
     return path
+
+
+def read_json(path: str) -> Optional[dict]:
+    """The JSON object in ``path``; ``None`` when the file is missing, or (with a warning) unreadable or not an object."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: not readable JSON (%s)", path, e)
+        return None
+    return data if isinstance(data, dict) else None

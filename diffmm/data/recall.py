@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from diffmm.data.dist import worker_id_count
+
 IGNORE = -100
 BLANK = 0
 SPLITS = ("train", "eval", "mixture")
@@ -110,21 +112,8 @@ class RecallTask:
             s += f"-Q{self.num_queries}"
         return s
 
-    def replace(self, **changes: Any) -> "RecallTask":
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "RecallTask") -> "RecallTask":
-        """Build from a dict; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; expected some of "
-                             f"{', '.join(sorted(known))}")
-        return cls(**d)
 
 
 @dataclass
@@ -150,19 +139,9 @@ class RecallBatch:
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
-    def as_training(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``: what the training module consumes (``LMModule``: loss where targets are not -100)."""
-        return self.inputs, self.targets
-
 
 def _rng(seed: int, index: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(index), int(stream), 0x5EC]))
-
-
-def _sample_without_replacement(rng: np.random.Generator, weights: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """(rows, k) indices drawn without replacement with probabilities ~ ``weights`` (Gumbel top-k)."""
-    g = np.log(weights)[None, :] - np.log(-np.log(rng.random((rows, weights.shape[0]))))
-    return np.argsort(-g, axis=1, kind="stable")[:, :k]
 
 
 def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: int = 0, *,
@@ -187,10 +166,12 @@ def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: i
     filler = rng.integers(1, task.vocab_size, size=(B, T - 2 * N))
     use = rng.random((B, T - 2 * N)) < task.noise
     x[:, 2 * N:] = np.where(use, filler, BLANK)
-    # queries: Q distinct pairs, at Q distinct slots drawn by the power law
+    # queries: Q distinct pairs, at Q distinct slots drawn by the power law without replacement (Gumbel top-k)
     pair = np.argsort(rng.random((B, N)), axis=1)[:, :Q]                          # (B, Q)
     i = np.arange(1, task.slots + 1, dtype=np.float64)
-    slot = _sample_without_replacement(rng, task.query_power * i ** (task.query_power - 1.0), B, Q)
+    log_w = np.log(task.query_power * i ** (task.query_power - 1.0))
+    gumbel = log_w[None, :] - np.log(-np.log(rng.random((B, task.slots))))
+    slot = np.argsort(-gumbel, axis=1, kind="stable")[:, :Q]
     order = np.argsort(slot, axis=1)
     slot, pair = np.take_along_axis(slot, order, 1), np.take_along_axis(pair, order, 1)
     pos = 2 * N + 2 * slot                                                         # (B, Q)
@@ -204,12 +185,8 @@ def make_recall_batch(task: RecallTask, batch_size: int, seed: int = 0, index: i
 
 def eval_batches(task: RecallTask, examples: int, batch_size: int, seed: int) -> Iterator[RecallBatch]:
     """``examples`` sequences of ``task`` in batches (the last one smaller): a fixed evaluation set per seed."""
-    n, index = 0, 0
-    while n < examples:
-        b = min(batch_size, examples - n)
-        yield make_recall_batch(task, b, seed=seed, index=index, split="eval")
-        n += b
-        index += 1
+    for index, start in enumerate(range(0, examples, batch_size)):
+        yield make_recall_batch(task, min(batch_size, examples - start), seed=seed, index=index, split="eval")
 
 
 def task_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterable[int], *, noise: float = 1.0,
@@ -231,17 +208,6 @@ def task_grid(vocab_size: int, seq_lens: Iterable[int], num_pairs: Iterable[int]
     if not tasks:
         raise ValueError(f"no setting of seq_len {list(seq_lens)} x pairs {list(num_pairs)} fits: {why or 'empty'}")
     return tasks, skipped
-
-
-def task_weights(tasks: Sequence[RecallTask], weights: Optional[Sequence[float]]) -> np.ndarray:
-    """Normalised mixture weights (uniform when None)."""
-    if not tasks:
-        raise ValueError("recall: give at least one task")
-    w = np.ones(len(tasks)) if weights is None else np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(tasks),) or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"recall: weights {list(weights or [])} must be {len(tasks)} non-negative numbers, "
-                         f"not all 0")
-    return w / w.sum()
 
 
 class RecallStream(torch.utils.data.IterableDataset):
@@ -273,7 +239,13 @@ class RecallStream(torch.utils.data.IterableDataset):
             raise ValueError(f"RecallStream: batch_tokens must be >= 1, got {batch_tokens}")
         self.tasks, self.batch_size, self.seed = list(tasks), int(batch_size), int(seed)
         self.batch_tokens = None if batch_tokens is None else int(batch_tokens)
-        self.weights = task_weights(self.tasks, weights)
+        if not self.tasks:
+            raise ValueError("RecallStream: give at least one task")
+        w = np.ones(len(tasks)) if weights is None else np.asarray(weights, dtype=np.float64)
+        if w.shape != (len(tasks),) or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"RecallStream: weights {list(weights or [])} must be {len(tasks)} non-negative numbers, "
+                             f"not all 0")
+        self.weights = w / w.sum()
         self.rank, self.world_size, self.start = int(rank), int(world_size), int(start)
 
     def task_of(self, n: int) -> RecallTask:
@@ -288,11 +260,11 @@ class RecallStream(torch.utils.data.IterableDataset):
     def batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch ``n``."""
         task = self.task_of(n)
-        return make_recall_batch(task, self.rows(task), seed=self.seed, index=n).as_training()
+        b = make_recall_batch(task, self.rows(task), seed=self.seed, index=n)
+        return b.inputs, b.targets
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        wid, nw = worker_id_count()
         k = self.start + wid
         while True:
             yield self.batch(k * self.world_size + self.rank)

@@ -14,29 +14,23 @@ import json
 import os
 import random
 import re
-import warnings
 from typing import Iterator, Literal, Optional, Sequence
 
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from diffmm.data.decode import MAX_IMAGE_PIXELS, decode_image, decode_text
+from diffmm.data.decode import MAX_IMAGE_PIXELS, BadImage, decode_image, decode_text, load_image
 from diffmm.data.sizes import stated_counts, write_sizes
 from diffmm.data.stats import DataStats
 from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT, ReadLimits, iter_tar_samples
-from diffmm.data.text import count_tokens, write_token_counts
+from diffmm.data.text import TOKENS_FILE, count_tokens
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer, train_byte_level_bpe
 from diffmm.data.urls import check_shards_exist, expand_sources
-from diffmm.data.writer import ShardWriter, check_prefix, sanitize_key
+from diffmm.data.writer import ShardWriter, sanitize_key
 
 STORED_AS_IS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 IMAGE_COLUMNS = ("image", "file", "filename", "filepath", "path", "url")
 CAPTION_COLUMNS = ("caption", "text", "title", "txt")
-
-
-class BadImage(ValueError):
-    """A file that is not a decodable image (or is larger than the pixel cap)."""
 
 
 def parse_size(size: int | str) -> int:
@@ -68,27 +62,15 @@ def image_field(path: str, max_pixels: Optional[int] = None) -> tuple[str, bytes
     with open(path, "rb") as f:
         data = f.read()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own cap follows
-            img = Image.open(io.BytesIO(data))
-        with img:
-            w, h = img.size
-            limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
-            if limit and w * h > limit:
-                raise BadImage(f"{path}: {w}x{h} image has more than {limit} pixels")
-            img.load()
-            fmt = img.format
-            if fmt in STORED_AS_IS:
-                return STORED_AS_IS[fmt], data
-            buf = io.BytesIO()
-            img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, "PNG")
-            return "png", buf.getvalue()
-    except BadImage:
-        raise
-    except UnidentifiedImageError:
-        raise BadImage(f"{path}: not an image format Pillow recognises") from None
-    except Exception as e:  # Pillow raises many types for bad bytes
-        raise BadImage(f"{path}: not a decodable image ({type(e).__name__}: {e})") from None
+        img = load_image(data, MAX_IMAGE_PIXELS if max_pixels is None else max_pixels)
+    except BadImage as e:
+        raise type(e)(f"{path}: {e}") from None
+    with img:
+        if img.format in STORED_AS_IS:
+            return STORED_AS_IS[img.format], data
+        buf = io.BytesIO()
+        img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, "PNG")
+        return "png", buf.getvalue()
 
 
 def read_table(path: str) -> list[dict]:
@@ -128,12 +110,13 @@ def _pick_column(rows: list[dict], wanted: Optional[str], candidates: Sequence[s
     raise KeyError(f"{path}: no {what} column (looked for {list(candidates)}); columns are {columns}; pass it explicitly")
 
 
-def _skip_or_raise(writer: ShardWriter, skip: bool, reason: str, detail: str, error: Exception) -> None:
-    """Count a bad input row in ``writer.skipped`` when skipping, else raise ``error`` (the writer then keeps the
-    old shards)."""
+def _skip_or_raise(writer: ShardWriter, skip: bool, reason: str, error: Exception,
+                   flags: str = "--skip_bad true") -> None:
+    """Count a bad input row in ``writer.skipped`` when skipping, else raise ``error``, saying how to skip it (the
+    writer then keeps the old shards)."""
     if not skip:
-        raise error from None
-    writer.skipped.add(reason, detail)
+        raise type(error)(f"{error} (use {flags} to skip; the old shards are kept)") from None
+    writer.skipped.add(reason, str(error))
 
 
 def _report(writer: ShardWriter, what: str, extra: str = "") -> None:
@@ -171,7 +154,6 @@ def write_shards_from_captions(image_dir: str, captions: str, out: str, *, image
         KeyError: no image or caption column.
         ValueError: an image is not decodable or a caption is empty, naming the row; or no row was usable.
     """
-    check_prefix(prefix)
     rows = read_table(captions)
     if not rows:
         raise ValueError(f"{captions}: no rows")
@@ -182,21 +164,18 @@ def write_shards_from_captions(image_dir: str, captions: str, out: str, *, image
             where = f"{captions} row {i + 1}"
             path = os.path.join(image_dir, str(row[icol]))
             if not os.path.isfile(path):
-                _skip_or_raise(writer, skip_missing or skip_bad, "missing image", f"{where}: {path}", FileNotFoundError(
-                    f"{where}: image {path} not found (use --skip_missing true or --skip_bad true to skip; the old "
-                    f"shards are kept)"))
+                _skip_or_raise(writer, skip_missing or skip_bad, "missing image",
+                               FileNotFoundError(f"{where}: image {path} not found"),
+                               "--skip_missing true or --skip_bad true")
                 continue
             caption = row[ccol]
             if caption is None or not str(caption).strip():
-                _skip_or_raise(writer, skip_bad, "empty caption", where,
-                               ValueError(f"{where}: empty {ccol!r} (use --skip_bad true to skip; the old shards are "
-                                          f"kept)"))
+                _skip_or_raise(writer, skip_bad, "empty caption", ValueError(f"{where}: empty {ccol!r}"))
                 continue
             try:
                 field, data = image_field(path, max_image_pixels)
             except BadImage as e:
-                _skip_or_raise(writer, skip_bad, "bad image", f"{where}: {e}",
-                               BadImage(f"{where}: {e} (use --skip_bad true to skip; the old shards are kept)"))
+                _skip_or_raise(writer, skip_bad, "bad image", type(e)(f"{where}: {e}"))
                 continue
             meta = {k: v for k, v in row.items() if k not in (icol, ccol)}
             meta.update(source=str(row[icol]), caption=str(caption))
@@ -233,7 +212,6 @@ def write_shards_from_folders(root: str, out: str, *, template: str = "a photo o
     Raises:
         ValueError: no class folders or images, or an undecodable image (naming it).
     """
-    check_prefix(prefix)
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     if not classes:
         raise ValueError(f"{root}: no class subfolders")
@@ -252,8 +230,7 @@ def write_shards_from_folders(root: str, out: str, *, template: str = "a photo o
             try:
                 field, data = image_field(path, max_image_pixels)
             except BadImage as e:
-                _skip_or_raise(writer, skip_bad, "bad image", str(e),
-                               BadImage(f"{e} (use --skip_bad true to skip; the old shards are kept)"))
+                _skip_or_raise(writer, skip_bad, "bad image", e)
                 continue
             key = sanitize_key(f"{cls}_{os.path.splitext(os.path.basename(path))[0]}")
             meta = {"label": label, "class": names[label], "source": os.path.relpath(path, root)}
@@ -312,7 +289,6 @@ def write_shards_from_text(out: str, files: Sequence[str], *, tokenizer: Optiona
         FileNotFoundError: a pattern matches no file.
         ValueError: a file is not UTF-8 text (naming it).
     """
-    check_prefix(prefix)
     paths = list(iter_text_files(files))
     if not paths:
         raise FileNotFoundError(f"no text files in {list(files)}")
@@ -336,8 +312,8 @@ def write_shards_from_text(out: str, files: Sequence[str], *, tokenizer: Optiona
     elif tokenizer:
         tok = load_lm_tokenizer(tokenizer)
     if tok is not None:
-        counts = count_tokens(writer.shards, tok)
-        print(f"{sum(counts.values())} tokens ({tok.name}) -> {write_token_counts(out, tok, counts)}")
+        tokens = sum(count_tokens(writer.shards, tok).values())
+        print(f"{tokens} tokens ({tok.name}) -> {os.path.join(out, TOKENS_FILE)}")
     return writer
 
 
@@ -347,7 +323,7 @@ def expand_shard_urls(urls: Sequence[str]) -> list[str]:
     Raises:
         FileNotFoundError: one line listing the local shards that do not exist.
     """
-    out = list(dict.fromkeys(u for spec in urls for s in expand_sources(spec) for u in s.urls))
+    out = list(dict.fromkeys(u for s in expand_sources(list(urls)) for u in s.urls))
     check_shards_exist(out)
     return out
 

@@ -8,8 +8,8 @@ Exact epochs need the number of samples of every shard. In order, a local shard'
 3. a count cache: ``.diffmm-counts.json`` beside the shards when that folder is writable, else
    ``$XDG_CACHE_HOME/diffmm/shard-counts/<hash of the folder>.json``; entries are keyed by file
    name and hold the file's size and mtime, so a changed shard is counted again,
-4. counting: reading the tar headers (seeking over the data of uncompressed local tars), then
-   stored in the cache.
+4. counting: the tar reader itself streams through the shard once, keeping no member's data (so the
+   count is what it yields), then stored in the cache.
 
 A count that is wrong (a stale ``sizes.json``) is found while reading: the reader reports the shard
 as ``shards_miscounted`` and the epoch stays valid (see :mod:`diffmm.data.stream`).
@@ -17,25 +17,24 @@ as ``shards_miscounted`` and the epoch stays valid (see :mod:`diffmm.data.stream
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import tarfile
+import sys
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
-from diffmm.data.files import write_json_atomic
-from diffmm.data.tar_reader import RecordingTarInfo, sample_members
-from diffmm.data.urls import is_local, local_path, open_shard
+from diffmm.data.files import read_json, write_json_atomic
+from diffmm.data.stats import DataStats
+from diffmm.data.tar_reader import iter_tar_samples
+from diffmm.data.urls import is_local, local_path
 
 log = logging.getLogger("diffmm.data")
 
 SIZES_FILE = "sizes.json"
 CACHE_FILE = ".diffmm-counts.json"
 STATS_SUFFIX = "_stats.json"
-_COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 
 
 @dataclass(frozen=True)
@@ -61,18 +60,6 @@ def _stem(name: str) -> str:
     return os.path.splitext(name)[0]
 
 
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("ignoring %s: not readable JSON (%s)", path, e)
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def cache_path(directory: str) -> str:
     """The count cache of a shard folder: beside the shards if writable, else under ``$XDG_CACHE_HOME/diffmm``."""
     if os.access(directory, os.W_OK):
@@ -82,88 +69,39 @@ def cache_path(directory: str) -> str:
     return os.path.join(root, "diffmm", "shard-counts", f"{digest}.json")
 
 
-def _is_compressed(path: str) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(6)
-    return any(head.startswith(m) for m in _COMPRESSED_MAGIC)
-
-
-def inspect_shard(url: str) -> tuple[int, Optional[str]]:
-    """``(samples, problem)`` of one shard, the samples as :func:`~diffmm.data.tar_reader.iter_tar_samples`
-    yields them; ``problem`` says why the shard is damaged (else ``None``).
-
-    Uncompressed local tars are indexed by their headers only (seeking over the data); other shards
-    are streamed. A damaged shard counts the samples the reader delivers before the damage; an
-    unreadable one counts 0.
-    """
-    path = local_path(url)
+def inspect_shard(url: str) -> int:
+    """Samples of one shard as the reader numbers them, counted by
+    :func:`~diffmm.data.tar_reader.iter_tar_samples` itself, keeping no member's data (a damaged
+    shard counts the samples before the damage, an unreadable one 0, and the reader logs the problem)."""
+    samples = iter_tar_samples(url, DataStats("counting"), start=sys.maxsize)   # keeps no sample
     try:
-        seekable = is_local(url) and not _is_compressed(path)
-        stream = open(path, "rb") if seekable else open_shard(url)
-    except OSError as e:
-        return 0, f"cannot open: {e}"
-    size = os.path.getsize(path) if seekable else None
-    n, last_key, last_end, problem = 0, None, 0, None
-    try:
-        try:
-            tf = tarfile.open(fileobj=stream, mode="r:" if seekable else "r|*", tarinfo=RecordingTarInfo)
-        except (tarfile.TarError, EOFError, OSError) as e:
-            return 0, "empty" if "empty file" in str(e) else f"not a readable tar ({e})"
-        try:
-            for member, key, _ in sample_members(tf):
-                end = member.offset_data + member.size
-                if size is not None and end > size:  # data cut off: the reader drops this sample
-                    n -= key == last_key
-                    last_key, problem = None, "truncated inside a member"
-                    break
-                if key != last_key:
-                    n += 1
-                    last_key = key
-                last_end = end
-        except (tarfile.TarError, EOFError, OSError) as e:
-            n -= last_key is not None  # the reader drops the sample it was reading when the stream broke
-            last_key, problem = None, f"{type(e).__name__}: {e}"
-        cut = getattr(tf, "_diffmm_cut", False) or (size is not None and size - (-(-last_end // 512) * 512) < 512)
-        if cut and last_key is not None:
-            n -= 1  # no end-of-archive block after the last member: the reader drops that sample too
-            problem = "no end-of-archive block (cut off?)"
-        if n == 0 and problem is None:
-            problem = "empty"
-    finally:
-        try:
-            stream.close()
-        except OSError as e:
-            problem = problem or str(e)
-    return max(n, 0), problem
+        next(samples)
+    except StopIteration as end:
+        return end.value
+    raise AssertionError("unreachable: a start past every sample yields nothing")
 
 
 def stated_counts(urls: Sequence[str], use_cache: bool = False) -> dict[str, ShardCount]:
     """Counts that files state (``sizes.json``, ``*_stats.json``; with ``use_cache`` also the count
     cache) for the local ``urls`` that have one; nothing is counted."""
     out: dict[str, ShardCount] = {}
-    by_dir: dict[str, list[str]] = {}
-    for url in urls:
-        if is_local(url):
-            by_dir.setdefault(_split(url)[0], []).append(url)
-    for directory, dir_urls in by_dir.items():
-        sizes = _read_json(os.path.join(directory, SIZES_FILE)) or {}
-        cache = None
-        for url in dir_urls:
-            name = _split(url)[1]
-            if isinstance(sizes.get(name), int):
-                out[url] = ShardCount(int(sizes[name]), os.path.join(directory, SIZES_FILE))
-                continue
-            stats_path = os.path.join(directory, _stem(name) + STATS_SUFFIX)
-            stats = _read_json(stats_path)
-            if stats is not None and isinstance(stats.get("successes"), int):
-                out[url] = ShardCount(int(stats["successes"]), stats_path)
-                continue
-            if not use_cache:
-                continue
-            if cache is None:
-                cache = _read_json(cache_path(directory)) or {}
-            entry = cache.get(name)
-            st = _stat(url)
+    files: dict[str, dict] = {}   # each JSON file read once
+
+    def read(path: str) -> dict:
+        if path not in files:
+            files[path] = read_json(path) or {}
+        return files[path]
+
+    for url in filter(is_local, urls):
+        directory, name = _split(url)
+        sizes_path = os.path.join(directory, SIZES_FILE)
+        stats_path = os.path.join(directory, _stem(name) + STATS_SUFFIX)
+        if isinstance(read(sizes_path).get(name), int):
+            out[url] = ShardCount(read(sizes_path)[name], sizes_path)
+        elif isinstance(read(stats_path).get("successes"), int):
+            out[url] = ShardCount(read(stats_path)["successes"], stats_path)
+        elif use_cache:
+            entry, st = read(cache_path(directory)).get(name), _stat(url)
             if isinstance(entry, dict) and entry.get("bytes") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
                 out[url] = ShardCount(int(entry["samples"]), "counted")
     return out
@@ -180,12 +118,12 @@ def shard_counts(urls: Sequence[str], progress: bool = False) -> dict[str, Shard
         UnknownShardSize: a non-local url.
         FileNotFoundError: a missing shard.
     """
-    _check_local(urls, "the sample count of {url!r} is unknown (not a local file); pass the epoch size "
-                       "(samples_per_epoch) or use local shards")
     out = stated_counts(urls, use_cache=True)
     new: dict[str, dict[str, dict]] = {}
+    unknown = ("the sample count of {url!r} is unknown (not a local file); pass the epoch size (samples_per_epoch) "
+               "or use local shards")
     for url, directory, name, n, st in _count([u for u in dict.fromkeys(urls) if u not in out], "counting samples",
-                                              progress):
+                                              progress, unknown):
         out[url] = ShardCount(n, "counted")
         new.setdefault(directory, {})[name] = {"samples": n, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     for directory, entries in new.items():
@@ -209,34 +147,29 @@ def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[st
     """Count every shard (ignoring existing ``sizes.json`` entries) and merge the counts into the
     ``sizes.json`` of each shard's folder; returns ``{sizes.json path: {name: samples}}``."""
     urls = list(urls)
-    _check_local(urls, "{url!r}: only local shards can be indexed")
     written: dict[str, dict[str, int]] = {}
-    for _, directory, name, n, _ in _count(urls, "indexing", progress):
+    for _, directory, name, n, _ in _count(urls, "indexing", progress, "{url!r}: only local shards can be indexed"):
         written.setdefault(os.path.join(directory, SIZES_FILE), {})[name] = n
     for path, counts in written.items():
         _merge_json(path, counts)
     return written
 
 
-def _check_local(urls: Iterable[str], message: str) -> None:
+def _count(urls: Sequence[str], desc: str, progress: bool,
+           unknown: str) -> Iterator[tuple[str, str, str, int, os.stat_result]]:
+    """Count the samples of each shard now: ``(url, folder, file name, samples, stat)``; first, a url that is not a
+    local file raises :class:`UnknownShardSize` with the message ``unknown``."""
     for url in urls:
         if not is_local(url):
-            raise UnknownShardSize(message.format(url=url))
-
-
-def _count(urls: Sequence[str], desc: str, progress: bool) -> Iterator[tuple[str, str, str, int, os.stat_result]]:
-    """Count the samples of each shard now: ``(url, folder, file name, samples, stat)``; damaged shards are logged."""
+            raise UnknownShardSize(unknown.format(url=url))
     for url in tqdm(urls, desc=desc, unit="shard", disable=not progress or len(urls) < 2):
         st = _stat(url)
-        n, problem = inspect_shard(url)
-        if problem is not None:
-            log.warning("shard %s: %s (counted %d samples)", url, problem, n)
-        yield (url, *_split(url), n, st)
+        yield (url, *_split(url), inspect_shard(url), st)
 
 
 def _merge_json(path: str, entries: dict) -> None:
     """Merge ``entries`` into the JSON object in ``path`` (written atomically)."""
-    data = _read_json(path) or {}
+    data = read_json(path) or {}
     data.update(entries)
     write_json_atomic(path, data, sort_keys=True)
 

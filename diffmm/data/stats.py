@@ -122,6 +122,3 @@ class DataStats:
 
     def __getstate__(self) -> dict:
         return {"name": self.name, "_values": self._values, "_index": self._index, "_warned": set()}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)

@@ -30,7 +30,6 @@ import multiprocessing as mp
 import random
 from typing import Any, Iterator, Sequence
 
-import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -75,11 +74,8 @@ class ShardStream(IterableDataset):
         shuffle: shuffle shards per epoch and samples through a buffer.
         shuffle_buffer: sample shuffle buffer size (raw samples, before decoding).
         seed: base seed; the epoch, rank and worker are mixed in.
-        drop_last: drop an incomplete final batch (finite mode; quota modes never make one).
         rank, world_size: override the detected distributed setup.
-        stats: counters to use (default: a new :class:`DataStats`).
         name: used in logs.
-        check_exist: raise at construction if local shards are missing.
         max_member_bytes: skip samples with a tar member larger than this (never read; ``None``: no cap).
         pipe_timeout: seconds a ``pipe:`` command may send nothing before it is killed (``None``: no limit).
         stages: webdataset pipeline stages run on each raw sample before decoding (``wds.map(f)``,
@@ -90,9 +86,8 @@ class ShardStream(IterableDataset):
 
     def __init__(self, urls: str | Sequence[str], batch_size: int, *, weights: Sequence[float] | None = None,
                  resampled: bool = False, equalize: bool = True, samples_per_epoch: int | None = None,
-                 shuffle: bool = True, shuffle_buffer: int = 1000, seed: int = 0, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, stats: DataStats | None = None,
-                 name: str = "data", check_exist: bool = True, max_member_bytes: int | None = MAX_MEMBER_BYTES,
+                 shuffle: bool = True, shuffle_buffer: int = 1000, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, name: str = "data", max_member_bytes: int | None = MAX_MEMBER_BYTES,
                  pipe_timeout: float | None = PIPE_TIMEOUT, stages: Sequence[Stage] = (),
                  handler: Handler = wds.reraise_exception) -> None:
         super().__init__()
@@ -100,8 +95,7 @@ class ShardStream(IterableDataset):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.sources = expand_sources(urls, weights)
         self.urls = [u for s in self.sources for u in s.urls]
-        if check_exist:
-            check_shards_exist(self.urls)
+        check_shards_exist(self.urls)
         if not resampled and len({s.weight for s in self.sources}) > 1:
             raise ValueError("source weights need resampled=True (finite epochs read every shard once)")
         self.batch_size = batch_size
@@ -111,11 +105,10 @@ class ShardStream(IterableDataset):
         self.shuffle = shuffle
         self.shuffle_buffer = shuffle_buffer if shuffle else 0
         self.seed = seed
-        self.drop_last = drop_last
         self.rank, self.world_size = rank, world_size
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank and world_size or neither")
-        self.stats = stats if stats is not None else DataStats(name)
+        self.stats = DataStats(name)
         self.name = name
         self._epoch = mp.get_context().Value("q", -1)   # shared with workers; -1 = never set
         self._local_iters = 0
@@ -130,17 +123,12 @@ class ShardStream(IterableDataset):
     # ----- epochs and distributed setup -------------------------------------------------------
     def use_context(self, ctx) -> None:
         """Create the state shared with DataLoader workers (epoch, counters) in multiprocessing context ``ctx``."""
-        epoch = ctx.Value("q", self._epoch.value)
-        self._epoch = epoch
+        self._epoch = ctx.Value("q", self._epoch.value)
         self.stats.use_context(ctx)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (changes shard order, shuffles and resampling); visible to running workers."""
         self._epoch.value = int(epoch)
-
-    def _current_epoch(self) -> int:
-        e = self._epoch.value
-        return e if e >= 0 else self._local_iters
 
     def rank_world(self) -> tuple[int, int]:
         """(rank, world size): explicit arguments, else the main-process snapshot, else detected now."""
@@ -190,18 +178,13 @@ class ShardStream(IterableDataset):
     def _finite_len(self) -> int:
         rank, world = self.rank_world()
         n_workers = max(1, getattr(self, "_num_workers_hint", 1))
-        counts = self.shard_counts()
-        if counts is None:
+        if self.shard_counts() is None:
             raise ValueError(f"{self.name}: the number of samples of {self.urls[0]!r} is unknown (not a local "
                              "shard); the length of a finite stream needs local shards")
         total = 0
-        for w in range(n_workers):
-            n = 0
-            for sl in self._slices(list(self.urls), rank, world, w, n_workers):
-                size = counts[sl.url].samples
-                stop = size if sl.stop is None else min(sl.stop, size)
-                n += max(0, math.ceil((stop - sl.start - sl.offset) / sl.stride))
-            total += n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        for w in range(n_workers):   # with known counts every slice is a sample range of plan_ranges
+            samples = sum(sl.stop - sl.start for sl in self._slices(list(self.urls), rank, world, w, n_workers))
+            total += math.ceil(samples / self.batch_size)
         return total
 
     def _slices(self, urls: list[str], rank: int, world: int, worker: int, n_workers: int) -> list[ShardSlice]:
@@ -216,7 +199,7 @@ class ShardStream(IterableDataset):
             weights = [1] * (world * n_workers)
         plans = plan_ranges(urls, [counts[u].samples for u in urls], weights, [counts[u].source for u in urls])
         mine = plans[rank * n_workers + worker]
-        if not mine and weights[rank * n_workers + worker] > 0:
+        if self.equalize and not mine and weights[rank * n_workers + worker] > 0:
             # an explicit samples_per_epoch larger than the data: this worker repeats the whole set
             mine = [ShardSlice(u, size=counts[u].samples, size_from=counts[u].source) for u in urls]
         return mine
@@ -281,7 +264,9 @@ class ShardStream(IterableDataset):
             item = None if sample is None else self._process(sample)
             if item is None:
                 skips += 1
-                self._check_skips(skips)
+                if self.equalize and skips >= MAX_CONSECUTIVE_SKIPS:
+                    raise RuntimeError(f"{self.name}: {skips} samples in a row were skipped; giving up "
+                                       f"({self.stats.summary()})")
                 continue
             skips = 0
             self.stats.add("samples_out")
@@ -291,18 +276,13 @@ class ShardStream(IterableDataset):
         """``(key, batch row)`` from ``(sample key, item)``: one row per item here; subclasses may regroup."""
         return items
 
-    def _check_skips(self, consecutive: int) -> None:
-        if self.equalize and consecutive >= MAX_CONSECUTIVE_SKIPS:
-            raise RuntimeError(f"{self.name}: {consecutive} samples in a row were skipped; giving up "
-                               f"({self.stats.summary()})")
-
     def _collate(self, items: list[Any]) -> Any:
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[Any]:
         rank, world = self.rank_world()
         worker, n_workers = worker_id_count()
-        epoch = self._current_epoch()
+        epoch = self._epoch.value if self._epoch.value >= 0 else self._local_iters
         self._local_iters += 1
         rng = random.Random(worker_seed(self.seed, epoch, rank, worker))
         produced = [0]
@@ -333,7 +313,7 @@ class ShardStream(IterableDataset):
                 n_batches += 1
                 if quota is not None and n_batches >= quota:
                     return
-        if batch and quota is None and not self.drop_last:
+        if batch and quota is None:
             yield self._emit(batch, keys)
 
     def _emit(self, items: list[Any], keys: list[str]) -> Any:

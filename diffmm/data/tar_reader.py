@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tarfile
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Generator, Optional
 
 from diffmm.data.stats import DataStats
 from diffmm.data.urls import is_local, local_path, open_shard
@@ -57,19 +57,9 @@ def split_name(name: str) -> tuple[str, str] | None:
     return key, field.lower()
 
 
-def sample_members(tf: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, str]]:
-    """The members of a webdataset tar that are sample fields, as ``(member, key, field)`` in archive order (the
-    one rule the reader and the sample counter of :mod:`diffmm.data.sizes` share)."""
-    for member in tf:
-        if member.isfile():
-            parts = split_name(member.name)
-            if parts is not None:
-                yield member, *parts
-
-
 def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 1, *, start: int = 0,
                      stop: Optional[int] = None, expected: Optional[int] = None, expected_from: str = "sizes.json",
-                     limits: ReadLimits = ReadLimits()) -> Iterator[dict]:
+                     limits: ReadLimits = ReadLimits()) -> Generator[dict, None, int]:
     """Yield the samples of shard ``url`` as webdataset does: ``{"__key__", "__url__", field: bytes, ...}``
     (and ``"__local_path__"`` for a local file).
 
@@ -87,12 +77,17 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
             when ``stop == expected``, is counted as ``shards_miscounted`` and named in a warning.
         expected_from: where ``expected`` comes from (for the warning).
         limits: member size cap and ``pipe:`` timeout.
+
+    Returns:
+        (the generator's return value) the samples of the shard up to where reading ended (whole
+        samples only: the one cut off by damage is not one); a ``start`` past every sample reads no
+        member's data, which counts the samples of a shard.
     """
     try:
         stream = open_shard(url, timeout=limits.pipe_timeout)
     except OSError as e:
         stats.shard_problem("shards_failed", url, f"{type(e).__name__}: {e}")
-        return
+        return 0
     stats.add("shards_opened")
     base = {"__local_path__": local_path(url)} if is_local(url) else {}   # as webdataset's samples have it
     cap = limits.max_member_bytes
@@ -109,7 +104,11 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
 
     try:
         tf = tarfile.open(fileobj=stream, mode="r|*", tarinfo=RecordingTarInfo)
-        for member, key, field in sample_members(tf):
+        for member in tf:
+            parts = split_name(member.name) if member.isfile() else None
+            if parts is None:
+                continue
+            key, field = parts
             if current is not None and current["__key__"] != key:
                 if wanted(index):
                     if oversized is not None:
@@ -149,27 +148,21 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
         except OSError as e:  # a pipe command's exit status
             close_error = str(e)
     if abandoned:
-        return
+        return index
     if close_error is not None:
         stats.shard_problem("shards_failed", url, close_error)
-        if problem is not None:
-            if current is not None and wanted(index):
-                stats.add("samples_in")
-                stats.skip("truncated", f"{url}:{current['__key__']}")
-            return
+    elif problem is not None and n_members == 0 and "empty file" in problem:
+        stats.shard_problem("shards_empty", url)
+    elif problem is not None and n_members == 0 and not getattr(tf, "_diffmm_cut", False):
+        stats.shard_problem("shards_failed", url, f"not a readable tar ({problem})")
     elif problem is not None:
-        if n_members == 0 and "empty file" in problem:
-            stats.shard_problem("shards_empty", url)
-            return
-        if n_members == 0 and not getattr(tf, "_diffmm_cut", False):
-            stats.shard_problem("shards_failed", url, f"not a readable tar ({problem})")
-            return
         stats.shard_problem("shards_truncated", url, problem)
+    if problem is not None:
         if current is not None and wanted(index):
             # the sample being read when the stream broke may be incomplete: never use it
             stats.add("samples_in")
             stats.skip("truncated", f"{url}:{current['__key__']}")
-        return
+        return index
     if current is not None:
         if wanted(index):
             if oversized is not None:
@@ -179,10 +172,11 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
         index += 1
     elif n_members == 0 and close_error is None:
         stats.shard_problem("shards_empty", url)
-        return
+        return index
     if expected is not None and close_error is None and (index < expected or (stop is None and index > expected)):
         stats.shard_problem("shards_miscounted", url, f"{index} samples, but {expected_from} says {expected} "
                             "(run `diffmm shards index` to rewrite it)")
+    return index
 
 
 def _skip_oversized(stats: DataStats, url: str, sample: dict, why: str) -> None:

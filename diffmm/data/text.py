@@ -7,7 +7,6 @@ tail shorter than a row is dropped when the worker's stream ends.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Iterator, Sequence
@@ -16,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from diffmm.data.decode import decode_text
-from diffmm.data.files import write_json_atomic
+from diffmm.data.files import read_json, write_json_atomic
 from diffmm.data.stats import DataStats
 from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.data.tar_reader import iter_tar_samples
@@ -35,19 +34,14 @@ def inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def read_token_counts(urls: Sequence[str], tokenizer_name: str) -> int | None:
     """Total tokens (documents + separators) of ``urls`` from ``tokens.json`` files, if recorded for this tokenizer."""
     total = 0
-    cache: dict[str, dict] = {}
+    by_dir: dict[str, dict] = {}
     for url in urls:
         directory, name = os.path.split(url)
-        path = os.path.join(directory, TOKENS_FILE)
-        if path not in cache:
-            if not os.path.exists(path):
-                return None
-            with open(path) as f:
-                cache[path] = json.load(f)
-        counts = cache[path].get(tokenizer_name, {})
-        if name not in counts:
+        if directory not in by_dir:
+            by_dir[directory] = (read_json(os.path.join(directory, TOKENS_FILE)) or {}).get(tokenizer_name, {})
+        if name not in by_dir[directory]:
             return None
-        total += int(counts[name])
+        total += int(by_dir[directory][name])
     return total
 
 
@@ -78,42 +72,20 @@ class TextDataset(ShardStream):
         self.text_field = text_field
 
     @property
-    def vocab_size(self) -> int:
-        """Vocabulary size of the tokenizer."""
-        return self.tokenizer.vocab_size
-
-    @property
-    def eos_id(self) -> int:
-        """Document separator id."""
-        return self.tokenizer.eos_id
-
-    @property
     def samples_per_epoch(self) -> int:
         """Rows per epoch over all ranks (explicit, else from ``tokens.json``, which is written on
         first use by tokenizing the shards once when it has no entry for this tokenizer)."""
         if self._samples_per_epoch is None:
             tokens = read_token_counts(self.urls, self.tokenizer.name)
+            if tokens is None and not all(is_local(u) for u in self.urls):
+                raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to "
+                                 "the shards and they are not local files; pass samples_per_epoch= (rows per epoch)")
             if tokens is None:
-                tokens = self._count_tokens_once()
+                log.info("%s: no tokens.json entry for tokenizer %s: tokenizing %d shard(s) once to count tokens",
+                         self.name, self.tokenizer.name, len(self.urls))
+                tokens = sum(count_tokens(self.urls, self.tokenizer, progress=self.rank_world()[0] == 0).values())
             self._samples_per_epoch = tokens // (self.seq_len + 1)
         return self._samples_per_epoch
-
-    def _count_tokens_once(self) -> int:
-        if not all(is_local(u) for u in self.urls):
-            raise ValueError(f"{self.name}: no tokens.json entry for tokenizer {self.tokenizer.name} next to the "
-                             "shards and they are not local files; pass samples_per_epoch= (rows per epoch)")
-        log.info("%s: no tokens.json entry for tokenizer %s: tokenizing %d shard(s) once to count tokens",
-                 self.name, self.tokenizer.name, len(self.urls))
-        counts = count_tokens(self.urls, self.tokenizer, progress=self.rank_world()[0] == 0)
-        by_dir: dict[str, dict[str, int]] = {}
-        for url in self.urls:
-            by_dir.setdefault(os.path.dirname(url), {})[os.path.basename(url)] = counts[os.path.basename(url)]
-        for directory, dir_counts in by_dir.items():
-            try:
-                write_token_counts(directory, self.tokenizer, dir_counts)
-            except OSError as e:  # read-only data: the count is used, just not kept
-                log.warning("%s: could not write tokens.json in %s (%s)", self.name, directory or ".", e)
-        return sum(counts.values())
 
     def _process(self, sample: dict) -> list[int] | None:
         """The document's tokens followed by the end-of-document id, or ``None`` after counting a skip."""
@@ -149,7 +121,9 @@ def text_loader(urls: str | Sequence[str], batch_size: int, seq_len: int, num_wo
 
 
 def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer, progress: bool = False) -> dict[str, int]:
-    """Tokens (with one separator per document) of each shard, keyed by file name, for ``tokens.json``."""
+    """Tokens (with one separator per document) of each shard url, also merged into the ``tokens.json`` beside
+    the shards under the tokenizer's name (a folder that cannot be written keeps none; the counts are returned
+    all the same)."""
     stats = DataStats("count-tokens")
     out: dict[str, int] = {}
     for url in tqdm(urls, desc="counting tokens", unit="shard", disable=not progress or len(urls) < 2):
@@ -159,17 +133,16 @@ def count_tokens(urls: Sequence[str], tokenizer: LMTokenizer, progress: bool = F
                 n += len(tokenizer.encode(sample["txt"].decode("utf-8"))) + 1
             except (KeyError, UnicodeDecodeError):  # the loader skips these documents too
                 continue
-        out[os.path.basename(url)] = n
+        out[url] = n
+    by_dir: dict[str, dict[str, int]] = {}
+    for url, n in out.items():
+        by_dir.setdefault(os.path.dirname(url), {})[os.path.basename(url)] = n
+    for directory, counts in by_dir.items():
+        path = os.path.join(directory, TOKENS_FILE)
+        data = read_json(path) or {}
+        data[tokenizer.name] = {**data.get(tokenizer.name, {}), **counts}
+        try:
+            write_json_atomic(path, data)
+        except OSError as e:  # read-only data: the count is used, just not kept
+            log.warning("could not write %s (%s)", path, e)
     return out
-
-
-def write_token_counts(directory: str, tokenizer: LMTokenizer, counts: dict[str, int]) -> str:
-    """Merge ``counts`` for ``tokenizer`` into ``directory/tokens.json`` (atomically); returns its path."""
-    path = os.path.join(directory, TOKENS_FILE)
-    data: dict = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    data[tokenizer.name] = {**data.get(tokenizer.name, {}), **counts}
-    write_json_atomic(path, data)
-    return path

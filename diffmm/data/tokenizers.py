@@ -21,26 +21,20 @@ class LMTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-class ClipBPE:
-    """The CLIP BPE as an LM tokenizer (lower-cases text, drops some whitespace); eos = ``<end_of_text>``."""
+class ClipBPE(SimpleTokenizer):
+    """The CLIP BPE (open_clip's) as an LM tokenizer: ``encode`` (no special tokens; lower-cases text, drops some
+    whitespace) and ``decode``; eos = ``<end_of_text>``."""
+
+    name = "clip-bpe"
 
     def __init__(self) -> None:
-        self._tok = SimpleTokenizer()
-        self.vocab_size = len(self._tok.encoder)
-        self.eos_id = self._tok.eot_token_id
-        self.name = "clip-bpe"
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens)."""
-        return self._tok.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``."""
-        return self._tok.decode(ids)
+        super().__init__()
+        self.vocab_size = len(self.encoder)
+        self.eos_id = self.eot_token_id
 
 
 class TokenizerFile:
-    """A HuggingFace ``tokenizers`` ``tokenizer.json`` (loaded lazily; pickles as its path).
+    """A HuggingFace ``tokenizers`` ``tokenizer.json``.
 
     Args:
         path: the ``tokenizer.json`` file.
@@ -53,8 +47,7 @@ class TokenizerFile:
         self.path = os.path.abspath(path)
         with open(self.path, "rb") as f:
             self.name = "tokenizer.json:" + hashlib.sha256(f.read()).hexdigest()[:12]
-        self._tok = None
-        tok = self._load()
+        self._tok = tok = Tokenizer.from_file(self.path)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         candidates = [eos_token] if eos_token else list(EOS_CANDIDATES)
         for cand in candidates:
@@ -65,21 +58,13 @@ class TokenizerFile:
         else:
             raise ValueError(f"{path}: no end-of-document token among {candidates}; pass eos_token=")
 
-    def _load(self):
-        if self._tok is None:
-            self._tok = Tokenizer.from_file(self.path)
-        return self._tok
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
-        return self._load().encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
-        return self._load().decode(ids)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tok": None}
+        return self._tok.decode(ids)
 
 
 def train_byte_level_bpe(texts: Iterable[str], out_path: str, vocab_size: int = 8192,

@@ -28,14 +28,6 @@ class Source:
     weight: float = 1.0
 
 
-def _split_specs(spec: str | Sequence[str]) -> list[str]:
-    parts = [spec] if isinstance(spec, str) else list(spec)
-    out: list[str] = []
-    for part in parts:
-        out.extend(p for p in str(part).split("::") if p.strip())
-    return out
-
-
 def expand_sources(spec: str | Sequence[str], weights: Sequence[float] | None = None) -> list[Source]:
     """Expand a source spec into :class:`Source` objects.
 
@@ -46,21 +38,17 @@ def expand_sources(spec: str | Sequence[str], weights: Sequence[float] | None = 
     Raises:
         ValueError: weights do not match the number of sources, or a source is empty.
     """
-    specs = _split_specs(spec)
+    parts = [spec] if isinstance(spec, str) else list(spec)
+    specs = [p for part in parts for p in str(part).split("::") if p.strip()]
     if not specs:
         raise ValueError("no shard urls given")
-    if weights is None:
-        weights = [1.0] * len(specs)
-    weights = [float(w) for w in weights]
+    weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
     if len(weights) != len(specs):
         raise ValueError(f"got {len(weights)} source weights for {len(specs)} sources: {specs}")
     if any(w <= 0 for w in weights):
         raise ValueError(f"source weights must be positive, got {weights}")
-    sources = []
-    for s, w in zip(specs, weights):
-        urls = tuple(u for pattern in braceexpand.braceexpand(s.strip()) for u in expand_glob(pattern))
-        sources.append(Source(urls=urls, weight=w))
-    return sources
+    return [Source(urls=tuple(u for pattern in braceexpand.braceexpand(s.strip()) for u in expand_glob(pattern)),
+                   weight=w) for s, w in zip(specs, weights)]
 
 
 def _has_magic(url: str) -> bool:
@@ -116,15 +104,8 @@ class PipeStream:
 
     def read(self, n: int = -1) -> bytes:
         """Up to ``n`` bytes (fewer when that is what the command has sent so far; ``b""`` at the end)."""
-        if self.timeout is None:
-            return self.stdout.read(n)
-        if n < 0:
-            chunks = []
-            while chunk := self.read(1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        if n == 0:
-            return b""
+        if self.timeout is None or n <= 0:
+            return self.stdout.read(n)  # (tarfile always asks for a block size)
         ready, _, _ = select.select([self._fd], [], [], self.timeout)
         if not ready:
             self.kill()

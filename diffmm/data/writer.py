@@ -1,16 +1,16 @@
 """Write webdataset tar shards with reproducible bytes and a ``sizes.json``, replacing old shards only on success."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
-import json
 import os
 import re
 import shutil
 import tarfile
 import tempfile
 
-from diffmm.data.files import write_json_atomic
+from diffmm.data.files import read_json, write_json_atomic
 from diffmm.data.sizes import SIZES_FILE
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
@@ -157,13 +157,8 @@ class ShardWriter:
             if self._stale.match(name) and name not in new:
                 os.remove(os.path.join(self.directory, name))
         path = os.path.join(self.directory, SIZES_FILE)
-        sizes: dict[str, int] = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                sizes = json.load(f)
-        sizes = {k: v for k, v in sizes.items() if not self._stale.match(k)}
-        sizes.update(self.sizes)
-        write_json_atomic(path, sizes, sort_keys=True)
+        kept = {k: v for k, v in (read_json(path) or {}).items() if not self._stale.match(k)}
+        write_json_atomic(path, {**kept, **self.sizes}, sort_keys=True)
         self._remove_tmp()
         for leftover in glob.glob(os.path.join(glob.escape(self.directory), f".{glob.escape(self.prefix)}{_TMP_TAG}*")):
             shutil.rmtree(leftover, ignore_errors=True)  # from a writer that was killed
@@ -174,10 +169,8 @@ class ShardWriter:
         """Drop what was written; the output folder keeps its old shards and ``sizes.json``."""
         if self._closed:
             return
-        try:
+        with contextlib.suppress(Exception):
             self._close_current()
-        except Exception:
-            pass
         self._remove_tmp()
         self.shards, self.sizes, self.total = [], {}, 0
         self._closed = True

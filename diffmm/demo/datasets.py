@@ -38,7 +38,7 @@ from tqdm import tqdm
 from diffmm.data.shard_tools import iter_text_files, read_texts, write_shards_from_text
 from diffmm.data.system_data import (CLDR, EMOJI_TEST, FASHION_MNIST, NOTO_EMOJI_FONT, NPM_DIR, PYTHON_DOCS,
                                      require_debian_file, require_npm_package)
-from diffmm.data.text import count_tokens, write_token_counts
+from diffmm.data.text import count_tokens
 from diffmm.data.tokenizers import train_byte_level_bpe
 from diffmm.data.writer import ShardWriter
 from diffmm.eval.classnames import FASHION_MNIST_CLASSNAMES
@@ -336,7 +336,6 @@ def build_python_docs(out: str = "data", source_dir: str = PYTHON_DOCS, vocab_si
     counts: dict = {}
     for split, writer in writers.items():
         per_shard = count_tokens(writer.shards, tok)
-        write_token_counts(os.path.join(root, split), tok, per_shard)
         n_bytes = sum(os.path.getsize(p) for p in splits[split])
         counts[split] = {"documents": writer.total, "shards": len(writer.shards), "pattern": writer.pattern,
                          "bytes": n_bytes, "tokens": sum(per_shard.values())}

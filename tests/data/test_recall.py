@@ -94,12 +94,6 @@ def test_bad_settings_name_the_field(kwargs, match):
         RecallTask(**kwargs)
 
 
-def test_from_dict_rejects_unknown_fields():
-    assert RecallTask.from_dict({"seq_len": 64, "num_pairs": 4}).seq_len == 64
-    with pytest.raises(ValueError, match="unknown field.*pairs"):
-        RecallTask.from_dict({"pairs": 4})
-
-
 def test_task_grid_leaves_out_what_does_not_fit():
     tasks, skipped = task_grid(64, [32, 64], [4, 8, 16])
     assert [t.name for t in tasks] == ["L32-N4", "L32-N8", "L64-N4", "L64-N8", "L64-N16"]

@@ -56,6 +56,14 @@ def test_fewer_shards_than_workers_does_not_raise_and_stays_disjoint(tmp_path, d
     assert sorted(per_rank[0] + per_rank[1]) == all_ids
 
 
+
+def test_evaluation_with_more_workers_than_samples_reads_each_sample_once(tmp_path, dh):
+    pattern, all_ids = dh.write_id_shards(str(tmp_path), [3])
+    loader = _loader(pattern, 0, 1, num_workers=4, train=False, batch_size=2)
+    ids, n_batches = dh.collect_ids(loader)         # a worker with an empty range reads nothing (not everything)
+    assert sorted(ids) == all_ids and n_batches == len(loader)
+
+
 def test_resampled_every_rank_yields_the_same_number_of_batches(tmp_path, dh):
     pattern, _ = dh.write_id_shards(str(tmp_path), [1, 9, 3, 17, 2])  # very uneven shards
     counts = []

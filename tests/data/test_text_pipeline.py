@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from diffmm.data.text import TextDataset, count_tokens, inputs_targets, text_loader, write_token_counts
+from diffmm.data.text import TextDataset, count_tokens, inputs_targets, text_loader
 from diffmm.data.tokenizers import ClipBPE, load_lm_tokenizer, train_byte_level_bpe
 from diffmm.data.writer import ShardWriter
 
@@ -59,7 +59,7 @@ def test_tokens_json_gives_the_epoch_and_ranks_get_equal_batches(tmp_path):
     docs = [f"document number {i} " * (1 + i % 7) for i in range(30)]
     w = write_docs(str(tmp_path), docs, maxcount=4)
     tok = CharTokenizer()
-    write_token_counts(str(tmp_path), tok, count_tokens(w.shards, tok))
+    count_tokens(w.shards, tok)
     total = sum(len(d.encode()) + 1 for d in docs)
     counts = []
     for rank in range(2):

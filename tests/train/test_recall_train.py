@@ -75,14 +75,14 @@ def test_loss_and_accuracy_are_on_the_answer_positions_only():
     module = LMModule(tokenizer=None, model_kwargs={"vocab_size": 32, "n_layer": 1, "n_embd": 32, "n_head": 4,
                                                      "block_size": 64})
     b = make_recall_batch(RecallTask(vocab_size=32, seq_len=48, num_pairs=4), 3, seed=0)
-    loss, correct, n = module.scored(b.as_training())
+    loss, correct, n = module.scored((b.inputs, b.targets))
     logits = module.model(b.inputs)  # (B, T, V)
     ref = F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=-100)
     torch.testing.assert_close(loss, ref)
     answers = logits[b.targets != -100].argmax(-1) == b.targets[b.targets != -100]
     assert int(n) == 3 * 4 and int(correct) == int(answers.sum())
-    torch.testing.assert_close(module.training_step(b.as_training(), 0), ref)
-    pred = module.predict_step(b.as_training(), 0)
+    torch.testing.assert_close(module.training_step((b.inputs, b.targets), 0), ref)
+    pred = module.predict_step((b.inputs, b.targets), 0)
     torch.testing.assert_close(pred["next_token_accuracy"], answers.float().reshape(3, 4).mean(1))
     with pytest.raises(ValueError, match="set the vocabulary in model_kwargs.vocab_size"):
         LMModule(tokenizer=None)

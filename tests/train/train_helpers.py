@@ -115,7 +115,7 @@ def write_text_shards(directory: str, n_docs: int = 40, per_shard: int = 10, see
 
     Returns (shard spec, tokenizer.json path).
     """
-    from diffmm.data.text import count_tokens, write_token_counts
+    from diffmm.data.text import count_tokens
     from diffmm.data.tokenizers import TokenizerFile, train_byte_level_bpe
     from diffmm.data.urls import expand_sources
 
@@ -135,7 +135,7 @@ def write_text_shards(directory: str, n_docs: int = 40, per_shard: int = 10, see
         tok = TokenizerFile(tokenizer)
     spec = os.path.join(directory, f"tx-{{000000..{math.ceil(n_docs / per_shard) - 1:06d}}}.tar")
     urls = list(expand_sources(spec)[0].urls)
-    write_token_counts(directory, tok, count_tokens(urls, tok))
+    count_tokens(urls, tok)
     return spec, tokenizer
 
 
