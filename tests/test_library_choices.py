@@ -5,8 +5,6 @@ If a library changes so that one of the "why not" tests fails, revisit the choic
 """
 from __future__ import annotations
 
-import io
-import math
 import os
 import warnings
 

@@ -151,7 +151,7 @@ class Demo:
                                   lambda: self.train(part, label, config, seed, run), needs=(ready,))
                 for name, fn in part.evals.items():
                     self.step(f"eval {name} {label} seed {seed}", lambda: fn(model, seed), (model,), (run, name))
-                del model
+                model = None  # free the weights before the next run
         csvs = {f"{x} seed {s}": os.path.join(self.out, r["train"]["metrics_csv"])
                 for x, rs in res["runs"].items() for s, r in rs.items() if "train" in r}
         self.step(f"plot loss curves ({part.key})", lambda: os.path.basename(plot_loss_curves(

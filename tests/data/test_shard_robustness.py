@@ -1,7 +1,6 @@
 """Bad data is skipped, counted and reported: samples in = samples out + samples skipped."""
 from __future__ import annotations
 
-import io
 import os
 import tarfile
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from eval_helpers import known_dataset, write_image_folder

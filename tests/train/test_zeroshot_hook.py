@@ -1,7 +1,6 @@
 """The zero-shot hook of training: the same numbers as diffmm.eval's zero_shot with the model's preprocessing."""
 from __future__ import annotations
 
-import torch
 
 from diffmm.eval.image_sources import open_image_source
 from diffmm.eval.zeroshot import zero_shot
