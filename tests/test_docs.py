@@ -305,6 +305,11 @@ def test_script_command_names_real_options(where, script, options):
     assert os.path.isfile(path), f"{where}: {script} does not exist"
     with open(path, encoding="utf-8") as f:
         src = f.read()
+    for module in re.findall(r"^(?:from|import) (\w+)", src, re.M):  # options a sibling script defines for it
+        sibling = os.path.join(ROOT, "scripts", module + ".py")
+        if os.path.isfile(sibling):
+            with open(sibling, encoding="utf-8") as f:
+                src += f.read()
     missing = [o for o in options if f'"{o}"' not in src and f"'{o}'" not in src]
     assert not missing, f"{where}: {script} defines no option {', '.join(missing)}"
 
