@@ -8,6 +8,11 @@ into call:
 - open_clip ``Attention`` (``CustomResidualAttentionBlock``): ``attn(x, attn_mask=M)``; same mask rules.
 - timm ``Attention`` (``Block``): ``attn(x, attn_mask=M, is_causal=c)``; bool masks are True where attention
   *is* allowed (SDPA semantics).
+- Hugging Face BERT-family self-attention (``BertAttention.self``, transformers 5.x):
+  ``self(hidden_states, attention_mask=M, encoder_hidden_states=None, cache=None, **kwargs)`` returning
+  ``(out, attn_weights)``; M is the model's prepared 4-dim mask (eager: additive float, sdpa: bool True where
+  attention *is* allowed) or None. The swapped layer includes the output projection, so ``swap_attention``
+  sets the sibling ``BertSelfOutput.dense`` to ``nn.Identity`` (its dropout and LayerNorm stay).
 
 An adapter is an ordinary subclass ``(CallMixin, LayerClass)`` defined below, e.g.
 ``class OpenClipDiffAttention(OpenClipCall, DiffAttention)``: the layer keeps its parameter names (``attn.q_proj``
@@ -138,6 +143,27 @@ class TimmCall(CallMixin):
         return super().forward(x, attn_mask=self._mask(attn_mask, x.shape[0], x, true_means_keep=True))
 
 
+class HFBertCall(CallMixin):
+    """Hugging Face BERT-family ``BertSelfAttention``'s call (self-attention only); returns ``(out, None)``.
+
+    ``out`` is already through the output projection (``out_proj`` = the pretrained ``BertSelfOutput.dense``).
+    The attention-probability dropout of the replaced layer is not reproduced (diffmm layers have none).
+    """
+
+    convention = "hf_bert"
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                encoder_hidden_states: Optional[torch.Tensor] = None, cache=None, **kwargs):
+        if encoder_hidden_states is not None or cache is not None:
+            raise ValueError(f"{type(self).__name__}: only encoder self-attention without a cache can be swapped "
+                             f"(got encoder_hidden_states or a cache)")
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: attention mask of type {type(attention_mask).__name__} "
+                            f"(use attn_implementation 'eager' or 'sdpa')")
+        x = hidden_states
+        return super().forward(x, attn_mask=self._mask(attention_mask, x.shape[0], x, true_means_keep=True)), None
+
+
 # ------------------------------------------------------------------------- the adapters of diffmm's layers
 class MHAAttention(MHACall, Attention):
     """Standard attention called like ``nn.MultiheadAttention``."""
@@ -187,6 +213,23 @@ class TimmUpcycledDiffAttention(TimmCall, UpcycledDiffAttention):
     """Upcycled differential attention built and called like timm's ``Attention``."""
 
 
+class HFBertAttention(HFBertCall, Attention):
+    """Standard attention called like Hugging Face ``BertSelfAttention`` (with the output projection)."""
+
+
+class HFBertDiffAttention(HFBertCall, DiffAttention):
+    """Differential attention called like Hugging Face ``BertSelfAttention`` (with the output projection)."""
+
+
+class HFBertDiffV2Attention(HFBertCall, DiffV2Attention):
+    """DIFF V2 attention called like Hugging Face ``BertSelfAttention`` (with the output projection)."""
+
+
+class HFBertUpcycledDiffAttention(HFBertCall, UpcycledDiffAttention):
+    """Upcycled differential attention called like Hugging Face ``BertSelfAttention`` (with the output
+    projection)."""
+
+
 ADAPTERS: dict[str, dict[type, type]] = {
     "mha": {Attention: MHAAttention, DiffAttention: MHADiffAttention, DiffV2Attention: MHADiffV2Attention,
             UpcycledDiffAttention: MHAUpcycledDiffAttention},
@@ -194,6 +237,8 @@ ADAPTERS: dict[str, dict[type, type]] = {
                   DiffV2Attention: OpenClipDiffV2Attention, UpcycledDiffAttention: OpenClipUpcycledDiffAttention},
     "timm": {Attention: TimmAttention, DiffAttention: TimmDiffAttention, DiffV2Attention: TimmDiffV2Attention,
              UpcycledDiffAttention: TimmUpcycledDiffAttention},
+    "hf_bert": {Attention: HFBertAttention, DiffAttention: HFBertDiffAttention,
+                DiffV2Attention: HFBertDiffV2Attention, UpcycledDiffAttention: HFBertUpcycledDiffAttention},
 }
 
 

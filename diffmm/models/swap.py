@@ -1,8 +1,11 @@
 """``swap_attention``: convert, in place, the attention layers of an existing model to another attention type.
 
 Supported models: open_clip ``CLIP`` and ``CustomTextCLIP`` (ViT image tower on ``nn.MultiheadAttention`` or
-open_clip's ``Attention``; a timm image tower through ``TimmModel``; the text Transformer), a timm
-``VisionTransformer``, and diffmm's own ``DiffCLIP`` / ``VisionTransformer``.
+open_clip's ``Attention``; a timm image tower through ``TimmModel``; the text Transformer, or a Hugging Face
+BERT-family text tower through ``HFTextEncoder``), a timm ``VisionTransformer``, a Hugging Face BERT-family
+encoder (``transformers.BertModel`` and models with its layout: ``encoder.layer[i].attention.self`` /
+``.output.dense``; attn_implementation ``'eager'`` or ``'sdpa'``), and diffmm's own ``DiffCLIP`` /
+``VisionTransformer``.
 
 Two initialisations:
 
@@ -23,7 +26,7 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention as TimmAttention
 
-from diffmm.models.attn_adapters import TimmCall, adapter_class, components_of
+from diffmm.models.attn_adapters import HFBertCall, TimmCall, adapter_class, components_of
 from diffmm.models.clip.config import layer_attn_types
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.vision import VisionTransformer as DiffmmViT
@@ -40,6 +43,40 @@ def _is_open_clip_attention(layer: nn.Module) -> bool:
     imported, so this looks it up instead of importing open_clip (``import diffmm`` works without open_clip)."""
     oc = sys.modules.get("open_clip.transformer")
     return oc is not None and isinstance(layer, oc.Attention)
+
+
+def _is_hf_bert_attention(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a Hugging Face BERT-family ``*Attention`` (``.self`` with query/key/value Linears and
+    ``.output.dense``). Duck-typed, so ``import diffmm`` needs no transformers."""
+    if not type(layer).__module__.startswith("transformers."):
+        return False
+    sa, out = getattr(layer, "self", None), getattr(layer, "output", None)
+    return (all(isinstance(getattr(sa, n, None), nn.Linear) for n in ("query", "key", "value"))
+            and isinstance(getattr(out, "dense", None), nn.Linear))
+
+
+def _hf_encoder_layers(model: nn.Module) -> Optional[list[nn.Module]]:
+    """The layers of a Hugging Face BERT-family encoder (``model.encoder.layer``), else None."""
+    layers = getattr(getattr(model, "encoder", None), "layer", None)
+    if layers is None or not type(model).__module__.startswith("transformers."):
+        return None
+    return list(layers)
+
+
+def _hf_bert(layer: nn.Module, where: str) -> StdAttnWeights:
+    """The weights of a Hugging Face ``BertAttention`` (q/k/v in ``.self``, the out-projection in ``.output``)."""
+    sa, dense = layer.self, layer.output.dense
+    heads, E = sa.num_attention_heads, dense.out_features
+    problems = [n for n, on in (("cross-attention", getattr(layer, "is_cross_attention", False)),
+                                ("all_head_size != hidden_size", sa.query.out_features != E),
+                                ("scaling != head_dim ** -0.5",
+                                 abs(getattr(sa, "scaling", (E // heads) ** -0.5) - (E // heads) ** -0.5) > 1e-12),
+                                ("relative position embeddings",
+                                 getattr(sa, "position_embedding_type", "absolute") != "absolute")) if on]
+    if problems:
+        raise ValueError(f"{where}: Hugging Face attention with {', '.join(problems)} cannot be swapped")
+    return StdAttnWeights(sa.query.weight, sa.key.weight, sa.value.weight, dense.weight, sa.query.bias,
+                          sa.key.bias, sa.value.bias, dense.bias, heads, causal=bool(getattr(sa, "is_causal", False)))
 
 
 def _fused(qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor], out: nn.Linear, heads: int) -> StdAttnWeights:
@@ -78,6 +115,8 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
             raise ValueError(f"{where}: timm Attention with {', '.join(extras)} cannot be swapped")
         w = _fused(layer.qkv.weight, layer.qkv.bias, layer.proj, layer.num_heads)
         return w, "timm", {"mask_heads": layer.num_heads}
+    if _is_hf_bert_attention(layer):
+        return _hf_bert(layer, where), "hf_bert", {}
     if isinstance(layer, DiffmmAttention):
         if layer.num_kv_heads != layer.num_heads or layer.use_rope:
             raise ValueError(f"{where}: GQA / RoPE standard attention is not supported by swap_attention")
@@ -86,11 +125,16 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
                            layer.num_heads, causal=layer.causal)
         return w, getattr(layer, "convention", "native"), {"mask_heads": getattr(layer, "mask_heads", None)}
     raise TypeError(f"{where}: {type(layer).__name__} is not a standard self-attention layer that swap_attention "
-                    f"can read (nn.MultiheadAttention, open_clip Attention, timm Attention, diffmm Attention)")
+                    f"can read (nn.MultiheadAttention, open_clip Attention, timm Attention, Hugging Face "
+                    f"BertAttention, diffmm Attention)")
 
 
 def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
-    """Tower name -> its Transformer blocks (each with an ``.attn``), for every model type swap supports."""
+    """Tower name -> its Transformer blocks (each with an ``.attn``, or a Hugging Face ``.attention``), for every
+    model type swap supports."""
+    hf = _hf_encoder_layers(model)
+    if hf is not None:  # a bare Hugging Face encoder: the text tower
+        return {"text": hf}
     if isinstance(model, DiffCLIP):
         return {"visual": list(model.visual.blocks), "text": list(model.transformer.resblocks)}
     if isinstance(model, DiffmmViT) or _is_timm_vit(model):
@@ -101,10 +145,13 @@ def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
         towers["visual"] = _image_tower_blocks(visual)
     if hasattr(model, "text") and isinstance(model.text, nn.Module):  # CustomTextCLIP
         tr = getattr(model.text, "transformer", None)
-        if tr is None or not hasattr(tr, "resblocks"):
-            raise TypeError(f"text tower {type(model.text).__name__} has no Transformer blocks to swap "
-                            f"(HF text towers are not supported)")
-        towers["text"] = list(tr.resblocks)
+        hf = _hf_encoder_layers(tr) if tr is not None else None
+        if hf is not None:  # open_clip HFTextEncoder
+            towers["text"] = hf
+        elif tr is None or not hasattr(tr, "resblocks"):
+            raise TypeError(f"text tower {type(model.text).__name__} has no Transformer blocks to swap")
+        else:
+            towers["text"] = list(tr.resblocks)
     elif hasattr(getattr(model, "transformer", None), "resblocks"):  # CLIP keeps the text tower at top level
         towers["text"] = list(model.transformer.resblocks)
     if not towers and hasattr(getattr(model, "transformer", None), "resblocks"):
@@ -127,6 +174,32 @@ def _image_tower_blocks(visual: nn.Module) -> list[nn.Module]:
     if hasattr(getattr(visual, "transformer", None), "resblocks"):
         return list(visual.transformer.resblocks)
     raise TypeError(f"image tower {type(visual).__name__} has no Transformer blocks to swap (ResNet towers have none)")
+
+
+def get_attn(block: nn.Module) -> nn.Module:
+    """The attention layer of ``block`` that swap reads: ``block.attn``; for a Hugging Face layer its
+    ``BertAttention`` (or, once swapped, the diffmm layer in ``attention.self``)."""
+    if hasattr(block, "attn"):
+        return block.attn
+    att = block.attention
+    return att.self if isinstance(att.self, HFBertCall) else att
+
+
+def set_attn(block: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` where :func:`get_attn` reads. In a Hugging Face layer the new layer includes the output
+    projection, so ``attention.output.dense`` becomes ``nn.Identity`` (its dropout and LayerNorm stay)."""
+    if hasattr(block, "attn"):
+        block.attn = new
+        return
+    block.attention.self = new
+    block.attention.output.dense = nn.Identity()
+
+
+def _out_weight(layer: nn.Module) -> torch.Tensor:
+    """The output-projection weight of a layer :func:`extract_weights` reads (for device and dtype)."""
+    if _is_hf_bert_attention(layer):
+        return layer.output.dense.weight
+    return layer.out_proj.weight if hasattr(layer, "out_proj") else layer.proj.weight
 
 
 def _resolve_layers(layers: Layers, tower: str, n: int) -> list[int]:
@@ -170,7 +243,7 @@ def replacement_layer(old: nn.Module, *, attn_type: str = "diff", init: str = "s
                     backend=backend if backend is not None else getattr(old, "backend", None))
     if init == "upcycle":
         upcycle(new, w, generator=generator)
-    ref = old.out_proj.weight if hasattr(old, "out_proj") else old.proj.weight
+    ref = _out_weight(old)
     new.to(device=ref.device, dtype=ref.dtype)
     for k, v in attrs.items():  # the replaced layer's call details (batch_first, heads of 3-dim masks)
         if v is not None:
@@ -184,7 +257,9 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
     """Replace the attention of chosen towers and layers, in place; returns ``model``.
 
     Args:
-        model: open_clip ``CLIP`` / ``CustomTextCLIP`` (ViT or timm image tower), timm ViT, or diffmm ``DiffCLIP``.
+        model: open_clip ``CLIP`` / ``CustomTextCLIP`` (ViT or timm image tower; open_clip or Hugging Face
+            BERT-family text tower), timm ViT, Hugging Face BERT-family encoder (its one tower is ``'text'``),
+            or diffmm ``DiffCLIP``.
         towers: ``'visual'`` and/or ``'text'``; default: every tower the model has (a timm ViT has only
             ``'visual'``). Naming a tower the model lacks is an error.
         layers: None (all), an index, a list (negative counts from the end), or ``{tower: indices}``.
@@ -212,10 +287,10 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
         blocks = found[tower]
         idx = _resolve_layers(layers, tower, len(blocks))
         for i in idx:
-            old = blocks[i].attn
-            blocks[i].attn = replacement_layer(old, attn_type=attn_type, init=init, layer_idx=i,
-                                               lambda_init=lambda_init, backend=backend, generator=generator,
-                                               where=f"{tower} layer {i} ({type(old).__name__})")
+            old = get_attn(blocks[i])
+            set_attn(blocks[i], replacement_layer(old, attn_type=attn_type, init=init, layer_idx=i,
+                                                  lambda_init=lambda_init, backend=backend, generator=generator,
+                                                  where=f"{tower} layer {i} ({type(old).__name__})"))
         record.append({"tower": tower, "layers": idx, "init": init, "attn_type": attn_type,
                        "lambda_init": lambda_init})
     _update_config(model, record)
