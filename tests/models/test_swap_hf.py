@@ -121,3 +121,43 @@ def test_swapped_model_pickles_and_rejects_cross_attention():
     layer = copy.deepcopy(model.encoder.layer[0].attention.self)
     with pytest.raises(ValueError, match="only encoder self-attention"):
         layer(torch.zeros(1, 3, 32), encoder_hidden_states=torch.zeros(1, 3, 32))
+
+
+def test_open_clip_hf_text_tower(tmp_path):
+    """An open_clip ``CustomTextCLIP`` whose text tower is a Hugging Face BERT (``HFTextEncoder``, built from a
+    local config folder): the text tower swaps, its features at step 0 equal the original's."""
+    open_clip_model = pytest.importorskip("open_clip.model")
+    transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=16).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = open_clip_model.CustomTextCLIP(
+        embed_dim=24, vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=1, head_width=16),
+        text_cfg=dict(hf_model_name=str(tmp_path), hf_model_pretrained=False, hf_pooler_type="mean_pooler",
+                      hf_proj_type="linear", context_length=8, vocab_size=60)).eval()
+    ids = torch.randint(1, 60, (3, 8), generator=torch.Generator().manual_seed(2))
+    ids[1, 5:] = 0  # pad_token_id: HFTextEncoder masks these
+    with torch.no_grad():
+        ref = model.encode_text(ids)
+    diffmm.swap_attention(model, towers="text", attn_type="diff", init="upcycle")
+    assert all(type(get_attn(b)) is HFBertUpcycledDiffAttention for b in model.text.transformer.encoder.layer)
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_text(ids), ref, **TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_roberta_family(impl):
+    """RoBERTa has BERT's attention layout (its own classes), so it swaps the same way."""
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=20)
+    model, inputs = transformers.RobertaModel._from_config(cfg, attn_implementation=impl).eval(), batch()
+    ref = hidden(model, inputs)
+    diffmm.swap_attention(model, attn_type="diff_v2", init="upcycle")
+    assert all(type(get_attn(b)) is HFBertDiffV2Attention for b in model.encoder.layer)
+    torch.testing.assert_close(hidden(model, inputs), ref, **TOL)
+
+
+def test_other_layouts_are_refused():
+    cfg = transformers.DistilBertConfig(vocab_size=60, dim=32, n_heads=4, n_layers=1, hidden_dim=64)
+    with pytest.raises(TypeError, match="does not know where the attention blocks of DistilBertModel are"):
+        diffmm.swap_attention(transformers.DistilBertModel(cfg))
