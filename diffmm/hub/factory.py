@@ -42,6 +42,7 @@ from diffmm.hub.difflama import is_difflama_folder, load_difflama
 from diffmm.hub.diffmm_export import is_export_folder, load_export
 from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag
 from diffmm.models.clip.config import CLIPConfig, UnknownModelError, get_model_config, list_models, load_config_file
+from diffmm.models.clip.hf_text import HFTokenizer
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
 from diffmm.models.clip.tokenizer import CLIPTokenizer
@@ -344,6 +345,8 @@ def get_tokenizer(model_name: Union[str, nn.Module, None] = None, context_length
     kind = model_kind(model_name)
     if kind == "config":
         text = get_model_config(model_name).text_cfg
+        if text.hf_model_name:
+            return HFTokenizer(text.hf_model_name, context_length or text.context_length)
         return CLIPTokenizer(context_length or text.context_length, text.truncate)
     if kind == "open_clip":
         name = model_name[len(OPEN_CLIP_PREFIX):]

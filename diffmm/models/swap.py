@@ -27,8 +27,7 @@ import torch.nn as nn
 from timm.layers import Attention as TimmAttention
 
 from diffmm.models.attn_adapters import HFBertCall, TimmCall, adapter_class, components_of
-from diffmm.models.clip.config import layer_attn_types
-from diffmm.models.clip.model import DiffCLIP
+from diffmm.models.clip.config import CLIPConfig, layer_attn_types
 from diffmm.models.clip.vision import VisionTransformer as DiffmmViT
 from diffmm.models.upcycle import UPCYCLE_TYPES, StdAttnWeights, upcycle
 from diffmm.nn import ATTENTION_LAYERS
@@ -135,8 +134,9 @@ def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
     hf = _hf_encoder_layers(model)
     if hf is not None:  # a bare Hugging Face encoder: the text tower
         return {"text": hf}
-    if isinstance(model, DiffCLIP):
-        return {"visual": list(model.visual.blocks), "text": list(model.transformer.resblocks)}
+    if _is_diffclip(model):
+        text = model.text.transformer.encoder.layer if hasattr(model, "text") else model.transformer.resblocks
+        return {"visual": list(model.visual.blocks), "text": list(text)}
     if isinstance(model, DiffmmViT) or _is_timm_vit(model):
         return {"visual": list(model.blocks)}
     towers: dict[str, list[nn.Module]] = {}
@@ -159,6 +159,11 @@ def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
     if not towers:
         raise TypeError(f"swap_attention does not know where the attention blocks of {type(model).__name__} are")
     return towers
+
+
+def _is_diffclip(model: nn.Module) -> bool:
+    """A diffmm ``DiffCLIP`` (known by its config, so that the model module may use swap itself)."""
+    return isinstance(getattr(model, "config", None), CLIPConfig) and isinstance(getattr(model, "visual", None), DiffmmViT)
 
 
 def _is_timm_vit(m: nn.Module) -> bool:
@@ -300,7 +305,7 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
 
 def _update_config(model: nn.Module, record: list[dict]) -> None:
     """Keep a DiffCLIP's config describing its layers, so an export of the swapped model reloads."""
-    if not isinstance(model, DiffCLIP):
+    if not _is_diffclip(model):
         return
     for r in record:
         cfg = model.config.vision_cfg if r["tower"] == "visual" else model.config.text_cfg

@@ -123,9 +123,14 @@ class TrainModule(pl.LightningModule):
             return []
         return [NonFiniteGuard()]
 
+    def param_lrs(self) -> dict[str, float]:
+        """Parameter-name prefixes of ``self.model`` with their own peak lr (default: none; every group at ``lr``)."""
+        return {}
+
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        opt = adamw(self.model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps, tuple(hp.get("no_decay") or ()))
+        opt = adamw(self.model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps, tuple(hp.get("no_decay") or ()),
+                    self.param_lrs())
         sched = WarmupCosineLR(opt, *self._schedule_steps(), hp.lr, hp.min_lr)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 

@@ -73,13 +73,14 @@ class ZeroShotHook:
         _, transform = transforms_for(model)
         source = open_image_source(self.dataset, transform, classnames=names, label_field=self.label_field,
                                    split=self.split, batch_size=self.batch_size, num_workers=self.num_workers)
-        was_training = model.training
+        modes = [(m, m.training) for m in model.modules()]  # locked towers stay in eval mode afterwards
         model.eval()
         try:
             result = zero_shot(model, tokenizer_for(model), source, names, self.templates,
                                show_progress=False, max_batches=self.max_batches)
         finally:
-            model.train(was_training)
+            for m, mode in modes:
+                m.training = mode
         log.info("zero-shot epoch %d: top1 %.4f top5 %.4f on %d images", epoch, result.top1, result.top5, result.n)
         return {"top1": result.top1, "top5": result.top5}
 
@@ -114,6 +115,15 @@ class CLIPModule(TrainModule):
         grad_checkpointing, compile, log_lambdas: see :class:`~diffmm.train.base.TrainModule`.
         zeroshot: optional zero-shot evaluation during validation, keyword arguments of
             :class:`ZeroShotHook` (needs ``diffmm.eval.zeroshot``).
+        lock_text / lock_image: LiT-style locking (arXiv 2111.07991): the tower's encoder is frozen and kept in
+            eval mode (no dropout); its projection to the joint space still trains.
+        lock_text_unlocked / lock_image_unlocked: parameter-name fragments of a locked tower that still train
+            (partial unlocking), e.g. ``[lambda_, LayerNorm]`` for the lambdas and norms of an upcycled MiniLM.
+        cache_text_features: with a locked Hugging Face text tower and nothing of it unlocked, compute each
+            caption's pooled features once and reuse them (kept in memory for up to ``cache_text_max`` distinct
+            captions), so training costs only the image tower and the projections.
+        text_lr: peak lr of the text tower's encoder (its projection keeps ``lr``), e.g. a small lr for a
+            pretrained text tower that is fine-tuned while a fresh image tower trains at ``lr``.
     """
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
@@ -124,7 +134,10 @@ class CLIPModule(TrainModule):
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
                  warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
-                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None) -> None:
+                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None,
+                 lock_text: bool = False, lock_text_unlocked: Optional[list[str]] = None, lock_image: bool = False,
+                 lock_image_unlocked: Optional[list[str]] = None, cache_text_features: bool = False,
+                 cache_text_max: int = 1_000_000, text_lr: Optional[float] = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         if pretrained and _RESUME_CHECKPOINT and not os.path.exists(os.path.expanduser(pretrained)):
@@ -139,6 +152,17 @@ class CLIPModule(TrainModule):
         for attr in ("encode_image", "encode_text", "logit_scale"):
             if not hasattr(model, attr):
                 raise TypeError(f"CLIPModule: {type(model).__name__} has no {attr!r}; expected open_clip's model interface")
+        self.locked: dict[str, list[str]] = {}
+        for tower, on, unlocked in (("text", lock_text, lock_text_unlocked), ("visual", lock_image, lock_image_unlocked)):
+            if on:
+                self.locked[tower] = lock_tower(model, tower, unlocked or [])
+        self._text_cache: Optional[dict[bytes, torch.Tensor]] = None
+        if cache_text_features:
+            text = getattr(model, "text", None)
+            if not lock_text or lock_text_unlocked or not hasattr(text, "forward_features"):
+                raise ValueError("model.cache_text_features needs lock_text: true, no lock_text_unlocked, and a Hugging "
+                                 "Face text tower (text_cfg.hf_model_name)")
+            self._text_cache = {}
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
@@ -150,9 +174,39 @@ class CLIPModule(TrainModule):
         if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
             checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
+    def train(self, mode: bool = True) -> "CLIPModule":
+        """Train mode, except the locked towers' encoders (they stay in eval mode)."""
+        super().train(mode)
+        for tower in self.locked:
+            for module in tower_modules(self.model, tower):
+                module.eval()
+        return self
+
+    def param_lrs(self) -> dict[str, float]:
+        text_lr = self.hparams.get("text_lr")
+        return {p: text_lr for p in tower_prefixes(self.model, "text")} if text_lr is not None else {}
+
     # ----- steps --------------------------------------------------------------------------------
+    def cached_text_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Projected text features (B, D) from the locked tower's cached pooled features (computed once per caption)."""
+        cache, text = self._text_cache, self.model.text
+        keys = [row.tobytes() for row in tokens.cpu().numpy()]
+        new = [i for i, k in enumerate(keys) if k not in cache]
+        if new:
+            with torch.no_grad():
+                pooled = text.forward_features(tokens[new])  # (n, W)
+            if len(cache) + len(new) <= self.hparams.cache_text_max:
+                cache.update({keys[i]: row for i, row in zip(new, pooled)})
+            else:
+                found = dict(zip((keys[i] for i in new), pooled))
+                return text.proj(torch.stack([cache.get(k, found.get(k)) for k in keys]))
+        return text.proj(torch.stack([cache[k] for k in keys]))
+
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
+        if self._text_cache is not None:
+            img, txt = self.model.encode_image(images), self.cached_text_features(tokens)
+            return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), self.model.logit_scale.exp().clamp(max=100.0)
         out = self.run_model(images, tokens)
         if isinstance(out, dict):
             img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
@@ -208,3 +262,45 @@ class CLIPModule(TrainModule):
         if results:
             self.log_dict({f"zeroshot/{k}": float(v) for k, v in results.items()}, sync_dist=False, rank_zero_only=True)
 
+
+#: the projections that stay trainable when their tower is locked (DiffCLIP, open_clip CLIP, Hugging Face towers)
+PROJECTIONS = ("image_projection", "visual.proj", "text_projection", "text.proj", "text.text_projection")
+
+
+def tower_prefixes(model: nn.Module, tower: str) -> list[str]:
+    """Parameter-name prefixes of a tower's encoder (``'text'`` or ``'visual'``), projections excluded."""
+    if tower == "visual":
+        return ["visual."]
+    if isinstance(getattr(model, "text", None), nn.Module):  # Hugging Face tower (DiffCLIP, open_clip CustomTextCLIP)
+        inner = getattr(model.text, "transformer", None)
+        return ["text.transformer."] if inner is not None else ["text."]
+    return ["token_embedding.", "positional_embedding", "transformer.", "ln_final."]
+
+
+def tower_modules(model: nn.Module, tower: str) -> list[nn.Module]:
+    """The modules under a tower's encoder prefixes."""
+    prefixes = tower_prefixes(model, tower)
+    return [m for name, m in model.named_modules() if name and any((name + ".").startswith(p) for p in prefixes)]
+
+
+def lock_tower(model: nn.Module, tower: str, unlocked: list[str]) -> list[str]:
+    """Freeze a tower's encoder except parameters whose names contain a fragment of ``unlocked``; returns the
+    names left trainable. A fragment that matches nothing is an error (a typo would silently freeze them)."""
+    prefixes, trainable = tower_prefixes(model, tower), []
+    seen = {f: False for f in unlocked}
+    for name, p in model.named_parameters():
+        if not any(name.startswith(x) for x in prefixes) or name.startswith(PROJECTIONS):
+            continue
+        hits = [f for f in unlocked if f in name]
+        for f in hits:
+            seen[f] = True
+        p.requires_grad_(bool(hits))
+        if hits:
+            trainable.append(name)
+    missing = [f for f, hit in seen.items() if not hit]
+    if missing:
+        raise ValueError(f"model.lock_{'image' if tower == 'visual' else 'text'}_unlocked: {', '.join(missing)} "
+                         f"names no parameter of the {tower} tower")
+    log.info("locked the %s tower: %d parameter tensors train (%s)", tower, len(trainable),
+             ", ".join(trainable[:4]) + (" ..." if len(trainable) > 4 else ""))
+    return trainable

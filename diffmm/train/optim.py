@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,26 +20,40 @@ NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMS
 NO_DECAY_NAMES = ("bias", "lambda_", "logit_scale", "logit_bias")
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str] = ()) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str] = (),
+                 lrs: Optional[Mapping[str, float]] = None) -> list[dict]:
     """AdamW groups ``{"params", "weight_decay", "name"}``: ``"decay"`` (matrices) and ``"no_decay"`` (parameters
     with fewer than 2 dimensions, parameters of norm layers, and names containing ``bias``, ``lambda_``,
-    ``logit_scale`` or a fragment of ``no_decay``); empty groups are dropped. ``name`` labels the lr curves."""
+    ``logit_scale`` or a fragment of ``no_decay``); empty groups are dropped. ``name`` labels the lr curves.
+    Frozen parameters (``requires_grad=False``) are left out.
+
+    ``lrs`` maps parameter-name prefixes to their own learning rate (e.g. ``{"text.transformer.": 1e-5}``): those
+    parameters get groups ``"decay <prefix>"`` / ``"no_decay <prefix>"`` with ``"lr"`` set (the schedule scales
+    each group's own lr)."""
     in_norm = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)}
     fragments = (*NO_DECAY_NAMES, *no_decay)
-    decay, keep = [], []
+    prefixes = list(lrs or {})
+    split: dict[tuple[str, Optional[str]], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             plain = p.ndim < 2 or id(p) in in_norm or any(f in name for f in fragments)
-            (keep if plain else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": keep, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
+            prefix = next((x for x in prefixes if name.startswith(x)), None)
+            split.setdefault(("no_decay" if plain else "decay", prefix), []).append(p)
+    groups = []
+    for prefix in [None, *prefixes]:
+        for kind, wd in (("decay", weight_decay), ("no_decay", 0.0)):
+            params = split.get((kind, prefix))
+            if params:
+                extra = {} if prefix is None else {"lr": float(lrs[prefix])}
+                groups.append({"params": params, "weight_decay": wd, "name": kind + (f" {prefix}" if prefix else ""),
+                               **extra})
+    return groups
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-          no_decay: Sequence[str] = ()) -> torch.optim.AdamW:
+          no_decay: Sequence[str] = (), lrs: Optional[Mapping[str, float]] = None) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`; the fused implementation when every parameter is on CUDA."""
-    groups = param_groups(model, weight_decay, no_decay)
+    groups = param_groups(model, weight_decay, no_decay, lrs)
     fused = all(p.is_cuda for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 

@@ -34,6 +34,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 #: ``'cut'`` keeps the first ``context_length`` tokens as they are (the official DiffCLIP / SLIP tokenizer; the EOT
 #: token may be cut off, and pooling takes the largest id of what remains)
 TRUNCATE_MODES = ("eot", "cut")
+#: poolers and projections of a Hugging Face text tower (``text_cfg.hf_pooler_type`` / ``hf_proj_type``; open_clip's)
+HF_POOLERS = ("mean_pooler", "cls_pooler")
+HF_PROJ_TYPES = ("linear", "mlp", "none")
 
 
 @dataclass
@@ -100,6 +103,12 @@ class TextCfg:
         act: MLP activation (``'quick_gelu'`` = ``x * sigmoid(1.702 x)``, DiffCLIP / OpenAI CLIP).
         truncate: the tokenizer's rule for captions over ``context_length`` tokens (:data:`TRUNCATE_MODES`):
             ``'eot'`` (open_clip: EOT kept last) or ``'cut'`` (the official DiffCLIP tokenizer).
+        hf_model_name: a Hugging Face encoder as the tower instead (open_clip's key; a local folder, a packaged
+            name such as ``sentence-transformers/all-MiniLM-L6-v2``: :mod:`diffmm.models.clip.hf_text`). Its own
+            tokenizer and pretrained weights are used; ``width`` / ``heads`` / ``layers`` / ``vocab_size`` are read
+            from it; ``attn_type`` other than ``'standard'`` upcycles its attention.
+        hf_pooler_type: ``'mean_pooler'`` (mean over the non-padding tokens) or ``'cls_pooler'`` (first token).
+        hf_proj_type: ``'linear'``, ``'mlp'`` (Linear-GELU-Linear) or ``'none'`` (width must equal embed_dim).
     """
 
     context_length: int = 77
@@ -115,6 +124,9 @@ class TextCfg:
     proj_bias: bool = True
     norm_eps: float = 1e-5
     truncate: str = "eot"
+    hf_model_name: Optional[str] = None
+    hf_pooler_type: str = "mean_pooler"
+    hf_proj_type: str = "linear"
 
 
 @dataclass
@@ -177,7 +189,12 @@ class CLIPConfig:
                 raise ValueError(f"{source}: vision_cfg.{key} {val!r}; expected three numbers (R, G, B) or null")
         if v.pool_type not in ("tok", "avg"):
             raise ValueError(f"{source}: vision_cfg.pool_type {v.pool_type!r}; expected 'tok' or 'avg'")
+        for key, allowed in (("hf_pooler_type", HF_POOLERS), ("hf_proj_type", HF_PROJ_TYPES)):
+            if getattr(t, key) not in allowed:
+                raise ValueError(f"{source}: text_cfg.{key} {getattr(t, key)!r}; expected one of {', '.join(allowed)}")
         for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
+            if name == "text_cfg" and t.hf_model_name:
+                continue  # the layer count is the encoder's, known once it is read
             if isinstance(cfg.attn_type, (list, tuple)) and len(cfg.attn_type) != cfg.layers:
                 raise ValueError(f"{source}: {name}.attn_type lists {len(cfg.attn_type)} layers; "
                                  f"the tower has {cfg.layers}")

@@ -4,7 +4,9 @@ interface (``encode_image``, ``encode_text``, ``logit_scale``, ``forward``, ``ou
 The state-dict layout is the official DiffCLIP checkpoint's (DiffCLIP, arXiv 2503.06626; code: github
 hammoudhasan/DiffCLIP): ``visual.*`` (timm-style ViT),
 ``image_projection``, the text tower at top level (``token_embedding``, ``positional_embedding``,
-``transformer.resblocks.*``, ``ln_final``, ``text_projection``) and ``logit_scale``.
+``transformer.resblocks.*``, ``ln_final``, ``text_projection``) and ``logit_scale``. A Hugging Face text tower
+(``text_cfg.hf_model_name``) sits under ``text.*`` instead (``text.transformer.*``, ``text.proj``), as in open_clip's
+``CustomTextCLIP``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diffmm.models.clip.config import CLIPConfig
+from diffmm.models.clip.hf_text import HFTextTower
 from diffmm.models.clip.text import TextTransformer
 from diffmm.models.clip.vision import VisionTransformer
 
@@ -35,13 +38,18 @@ class DiffCLIP(nn.Module):
         v, t = cfg.vision_cfg, cfg.text_cfg
         self.visual = VisionTransformer(v, cfg.attn_backend)
         self.image_projection = nn.Parameter(torch.empty(v.width, cfg.embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
+        if t.hf_model_name:  # pretrained weights, read now; init_weights leaves them alone
+            self.text = HFTextTower(t, cfg.embed_dim, cfg.attn_backend)
+            self.context_length, self.vocab_size = t.context_length, t.vocab_size
+            self.init_weights()
+            return
         self.context_length, self.vocab_size = t.context_length, t.vocab_size
         self.token_embedding = nn.Embedding(t.vocab_size, t.width)
         self.positional_embedding = nn.Parameter(torch.empty(t.context_length, t.width))
         self.transformer = TextTransformer(t, cfg.attn_backend)
         self.ln_final = nn.LayerNorm(t.width, eps=t.norm_eps)
         self.text_projection = nn.Parameter(torch.empty(t.width, cfg.embed_dim))
-        self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
         self.init_weights()
 
     @torch.no_grad()
@@ -49,8 +57,21 @@ class DiffCLIP(nn.Module):
         """open_clip's text init; timm's ViT init (trunc normal 0.02, zero bias) for the vision Linear layers.
 
         Only Linear layers named like projections (q/k/v/out_proj) and the MLPs are touched, so a layer's own
-        extra parameters (lambda vectors, norm weights, V2's lambda_proj) keep the layer's init.
+        extra parameters (lambda vectors, norm weights, V2's lambda_proj) keep the layer's init. A Hugging Face text
+        tower keeps its pretrained weights.
         """
+        if not hasattr(self, "text"):
+            self._init_text()
+        for blk in self.visual.blocks:
+            lins = [getattr(blk.attn, n, None) for n in PROJ_NAMES] + [blk.mlp.fc1, blk.mlp.fc2]
+            for lin in lins:
+                if isinstance(lin, nn.Linear):
+                    nn.init.trunc_normal_(lin.weight, std=0.02)
+                    if lin.bias is not None:
+                        nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.image_projection, std=self.config.vision_cfg.width ** -0.5)
+
+    def _init_text(self) -> None:
         t = self.config.text_cfg
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
@@ -66,19 +87,17 @@ class DiffCLIP(nn.Module):
             nn.init.normal_(blk.mlp.c_fc.weight, std=fc_std)
             nn.init.normal_(blk.mlp.c_proj.weight, std=proj_std)
         nn.init.normal_(self.text_projection, std=t.width ** -0.5)
-        for blk in self.visual.blocks:
-            lins = [getattr(blk.attn, n, None) for n in PROJ_NAMES] + [blk.mlp.fc1, blk.mlp.fc2]
-            for lin in lins:
-                if isinstance(lin, nn.Linear):
-                    nn.init.trunc_normal_(lin.weight, std=0.02)
-                    if lin.bias is not None:
-                        nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.image_projection, std=self.config.vision_cfg.width ** -0.5)
 
     # open_clip-compatible helpers -------------------------------------------------------------------------------
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.visual.set_grad_checkpointing(enable)
-        self.transformer.grad_checkpointing = enable
+        if hasattr(self, "text"):
+            if enable:
+                self.text.transformer.gradient_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.text.transformer.gradient_checkpointing_disable()
+        else:
+            self.transformer.grad_checkpointing = enable
 
     def no_weight_decay(self) -> set[str]:
         """Names of parameters excluded from weight decay beyond the 1-D ones (embeddings of positions)."""
@@ -93,6 +112,9 @@ class DiffCLIP(nn.Module):
         """token ids (B, L <= context_length) -> (B, embed_dim): EOT token (argmax of the ids) ``@ text_projection``."""
         if text.dim() != 2 or text.shape[1] > self.context_length:
             raise ValueError(f"text has shape {tuple(text.shape)}; expected (B, L) with L <= {self.context_length}")
+        if hasattr(self, "text"):  # Hugging Face tower: pooled (mean or first token) -> proj
+            x = self.text(text)
+            return F.normalize(x, dim=-1) if normalize else x
         L = text.shape[1]
         x = self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, W)
         x = self.ln_final(self.transformer(x))

@@ -18,6 +18,7 @@ from PIL import Image
 from torchvision import transforms as T
 
 from diffmm.models.clip.config import OPENAI_MEAN, OPENAI_STD, CLIPConfig
+from diffmm.models.clip.hf_text import HFTokenizer
 from diffmm.models.clip.tokenizer import CLIPTokenizer
 
 #: crop area range of training's ``RandomResizedCrop``: the official DiffCLIP training code's (SLIP's) (0.5, 1.0);
@@ -117,7 +118,8 @@ def truncate_of(model: nn.Module) -> str:
 def tokenizer_for(model: nn.Module, context_length: Optional[int] = None):
     """The tokenizer a built model expects: ``tokenizer(list_of_str) -> LongTensor (B, context_length)``.
 
-    A diffmm CLIP: the CLIP BPE with its config's context length and truncation. A model that open_clip built
+    A diffmm CLIP: the CLIP BPE with its config's context length and truncation; with a Hugging Face text tower
+    (``text_cfg.hf_model_name``), that encoder's own tokenizer. A model that open_clip built
     (``open_clip:NAME`` of an architecture diffmm does not implement): ``open_clip.get_tokenizer`` of that name.
     """
     cfg = getattr(model, "config", None)
@@ -126,6 +128,8 @@ def tokenizer_for(model: nn.Module, context_length: Optional[int] = None):
         import open_clip  # open_clip built this model, so it is installed
 
         return open_clip.get_tokenizer(oc_name, context_length=context_length)
+    if isinstance(cfg, CLIPConfig) and cfg.text_cfg.hf_model_name:
+        return HFTokenizer(cfg.text_cfg.hf_model_name, context_length or cfg.text_cfg.context_length)
     if isinstance(cfg, CLIPConfig):
         ctx = cfg.text_cfg.context_length
     else:
