@@ -158,11 +158,10 @@ class CLIPModule(TrainModule):
                 self.locked[tower] = lock_tower(model, tower, unlocked or [])
         self._text_cache: Optional[dict[bytes, torch.Tensor]] = None
         if cache_text_features:
-            text = getattr(model, "text", None)
-            if not lock_text or lock_text_unlocked or not hasattr(text, "forward_features"):
-                raise ValueError("model.cache_text_features needs lock_text: true, no lock_text_unlocked, and a Hugging "
-                                 "Face text tower (text_cfg.hf_model_name)")
-            self._text_cache = {}
+            if not lock_text or not hasattr(getattr(model, "text", None), "prefix"):
+                raise ValueError("model.cache_text_features needs lock_text: true and a Hugging Face text tower "
+                                 "(text_cfg.hf_model_name)")
+            self._text_cache, self._cache_layers = {}, cached_layers(model, self.locked["text"])
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
@@ -188,8 +187,11 @@ class CLIPModule(TrainModule):
 
     # ----- steps --------------------------------------------------------------------------------
     def cached_text_features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Projected text features (B, D) from the locked tower's cached pooled features (computed once per caption)."""
-        cache, text = self._text_cache, self.model.text
+        """Projected text features (B, D) of a locked text tower, whose frozen part runs once per caption: the pooled
+        features when nothing of it trains, else the hidden states before the first layer with trainable parameters
+        (the layers from there on run every step)."""
+        cache, text, start = self._text_cache, self.model.text, self._cache_layers
+        pooled_only = start == len(text.transformer.encoder.layer)
         keys = [row.tobytes() for row in tokens.cpu().numpy()]
         new: dict[bytes, int] = {}  # caption -> its first row, for captions not cached (duplicates run once)
         for i, k in enumerate(keys):
@@ -197,11 +199,23 @@ class CLIPModule(TrainModule):
                 new.setdefault(k, i)
         found: dict[bytes, torch.Tensor] = {}
         if new:
+            rows_new = tokens[list(new.values())]
             with torch.no_grad():
-                found = dict(zip(new, text.forward_features(tokens[list(new.values())])))  # (n, W) rows
+                if pooled_only:
+                    found = dict(zip(new, text.forward_features(rows_new)))  # (W,) each
+                else:
+                    hidden, mask = text.prefix(rows_new, start)  # (n, L', W), (n, L')
+                    found = {k: h[m] for k, h, m in zip(new, hidden, mask)}  # (tokens, W) each
             if len(cache) + len(found) <= self.hparams.cache_text_max:
                 cache.update(found)
-        return text.proj(torch.stack([found[k] if k in found else cache[k] for k in keys]))
+        rows = [found[k] if k in found else cache[k] for k in keys]
+        if pooled_only:
+            return text.proj(torch.stack(rows))
+        mask = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.bool, device=rows[0].device)
+        for i, r in enumerate(rows):
+            mask[i, :len(r)] = True
+        hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, L', W)
+        return text.proj(text.suffix(hidden, mask, start))
 
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
@@ -284,6 +298,21 @@ def tower_modules(model: nn.Module, tower: str) -> list[nn.Module]:
     """The modules under a tower's encoder prefixes."""
     prefixes = tower_prefixes(model, tower)
     return [m for name, m in model.named_modules() if name and any((name + ".").startswith(p) for p in prefixes)]
+
+
+def cached_layers(model: nn.Module, trainable: list[str]) -> int:
+    """How many leading encoder layers of a locked Hugging Face text tower never change (all of them when nothing
+    of it trains): what ``cache_text_features`` may compute once per caption. Trainable embeddings (or anything
+    outside the layers) leave nothing to cache: a one-line error."""
+    n = len(model.text.transformer.encoder.layer)
+    first = n
+    for name in trainable:
+        head = "text.transformer.encoder.layer."
+        if not name.startswith(head):
+            raise ValueError(f"model.cache_text_features: {name} trains, so no part of the text tower is fixed; "
+                             f"unlock only whole encoder layers from some layer on (or drop cache_text_features)")
+        first = min(first, int(name[len(head):].split(".")[0]))
+    return first
 
 
 def lock_tower(model: nn.Module, tower: str, unlocked: list[str]) -> list[str]:

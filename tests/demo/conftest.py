@@ -92,7 +92,11 @@ def configs(tmp_path_factory) -> str:
         with open(os.path.join(ROOT, "configs", name)) as f:
             cfg = yaml.safe_load(f)
         if name in TINY:
-            cfg["model"]["init_args"]["model_kwargs"] = TINY[name]
+            kwargs = dict(TINY[name])
+            if "text_cfg" in kwargs:  # a config's own text settings (the per-layer attention of the MiniLM) stay
+                given = cfg["model"]["init_args"].get("model_kwargs") or {}
+                kwargs["text_cfg"] = {**given.get("text_cfg", {}), **kwargs["text_cfg"]}
+            cfg["model"]["init_args"]["model_kwargs"] = kwargs
         if name.startswith("lit_"):  # two styles of 24 synthetic emoji: a batch must hold fewer than 64 pairs
             cfg["data"]["init_args"]["batch_size"] = 16
         with open(out / name, "w") as f:

@@ -152,9 +152,35 @@ def test_cached_logit_scale_follows_the_model(model_json):
 
 
 def test_cache_needs_a_locked_text_tower(model_json):
-    for kw in ({}, {"lock_text": True, "lock_text_unlocked": ["LayerNorm"]}):
-        one_line_error(ValueError, lambda: module(model_json, cache_text_features=True, **kw),
-                       "model.cache_text_features needs lock_text: true, no lock_text_unlocked")
+    one_line_error(ValueError, lambda: module(model_json, cache_text_features=True),
+                   "model.cache_text_features needs lock_text: true")
+    # trainable embeddings leave no fixed part of the tower to cache
+    one_line_error(ValueError, lambda: module(model_json, cache_text_features=True, lock_text=True,
+                                              lock_text_unlocked=["LayerNorm"]),
+                   r"^model.cache_text_features: text.transformer.embeddings.LayerNorm.weight trains")
+
+
+@pytest.mark.parametrize("top", [1, 2])
+def test_partly_unlocked_cache_equals_uncached(model_json, top):
+    """Top layers upcycled and unlocked: the locked layers below run once per caption, the unlocked ones every
+    step; features, loss and the unlocked layers' gradients equal the uncached module's."""
+    unlocked = [f"encoder.layer.{i}." for i in range(3 - top, 3)]
+    kw = dict(attn="diff", lock_text=True, lock_text_unlocked=unlocked)
+    cached, plain = module(model_json, cache_text_features=True, **kw), module(model_json, **kw)
+    plain.model.load_state_dict(cached.model.state_dict())
+    assert cached._cache_layers == 3 - top
+    for captions in (CAPTIONS, CAPTIONS[::-1]):
+        images, tokens = batch(cached, captions)
+        got, want = cached.features(images, tokens), plain.features(images, tokens)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **TOL)
+    assert len(cached._text_cache) == 3 and all(v.dim() == 2 for v in cached._text_cache.values())  # (tokens, W)
+    for m in (cached, plain):
+        m.loss_fn(*m.features(*batch(m))).backward()
+    name = "text.transformer.encoder.layer.2.attention.self.lambda_q1"
+    got, want = cached.model.get_parameter(name).grad, plain.model.get_parameter(name).grad
+    assert got is not None and got.abs().sum() > 0
+    torch.testing.assert_close(got, want, **TOL)
 
 
 # ---------------------------------------------------------------------------------------------- text_lr

@@ -162,14 +162,42 @@ class HFTextTower(nn.Module):
 
     def forward_features(self, text: torch.Tensor) -> torch.Tensor:
         """token ids (B, L) -> pooled encoder output (B, width), before the projection."""
-        mask = (text != self.pad_token_id).long()  # (B, L)
-        keep = int(mask.sum(1).max().clamp(min=1))  # padding at the end changes nothing the pooler sees: cut it
-        text, mask = text[:, :keep], mask[:, :keep]
-        h = self.transformer(input_ids=text, attention_mask=mask).last_hidden_state  # (B, L, W)
-        if self.pooler_type == "cls_pooler":
-            return h[:, 0]
-        m = mask.unsqueeze(-1).to(h.dtype)
-        return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
+        text, mask = self._cut_padding(text)
+        h = self.transformer(input_ids=text, attention_mask=mask.long()).last_hidden_state  # (B, L', W)
+        return self.pool(h, mask)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:
         return self.proj(self.forward_features(text))
+
+    def _cut_padding(self, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and keep-mask (B, L') without the padding columns at the end (nothing the pooler sees changes)."""
+        mask = text != self.pad_token_id  # (B, L)
+        keep = int(mask.sum(1).max().clamp(min=1))
+        return text[:, :keep], mask[:, :keep]
+
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, L, W) hidden states and (B, L) keep-mask -> (B, W): mean over kept tokens, or the first token."""
+        if self.pooler_type == "cls_pooler":
+            return hidden[:, 0]
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+    def prefix(self, text: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_features`` in two parts, for caching what a partly locked tower computes the same way every
+        time: the hidden states (B, L', W) after the embeddings and the first ``layers`` encoder layers, and the
+        keep-mask (B, L'). :meth:`suffix` finishes it."""
+        text, mask = self._cut_padding(text)
+        h = self.transformer.embeddings(input_ids=text)
+        return self._layers(h, mask, 0, layers), mask
+
+    def suffix(self, hidden: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+        """The encoder layers from ``start`` on and the pooler: (B, L', W), (B, L') -> (B, W)."""
+        return self.pool(self._layers(hidden, mask, start, None), mask)
+
+    def _layers(self, h: torch.Tensor, mask: torch.Tensor, start: int, stop: Optional[int]) -> torch.Tensor:
+        additive = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=h.dtype, device=h.device)
+        additive.masked_fill_(~mask[:, None, None, :], torch.finfo(h.dtype).min)  # (B, 1, 1, L') 0 = attend
+        for layer in self.transformer.encoder.layer[start:stop]:
+            out = layer(h, attention_mask=additive)
+            h = out[0] if isinstance(out, tuple) else out
+        return h
