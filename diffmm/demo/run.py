@@ -37,8 +37,8 @@ PARTS = ("lit", "clip", "lm", "recall")
 DEFAULT_PARTS = ("lit",)
 #: the repository's ``configs/``: the demo trains with the config files a user runs
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-STEPS = {"lit": 600, "clip": 200, "lm": 200, "recall": 150}
-QUICK_STEPS = {"lit": 150, "clip": 60, "lm": 60, "recall": 80}
+STEPS = {"lit": 220, "clip": 200, "lm": 200, "recall": 150}
+QUICK_STEPS = {"lit": 60, "clip": 60, "lm": 60, "recall": 80}
 DATASETS = {"emoji": [f"emoji/{s}" for s in STYLES], "fashion-mnist": ["fashion-mnist/test"],
             "python-docs": ["python-docs/train", "python-docs/val"]}
 
@@ -149,6 +149,8 @@ class Demo:
                           into=(res, "data built")) if part.needs_data else []
         for seed in seeds:
             for label, config in part.models:
+                if label in part.first_seed_only and seed != seeds[0]:
+                    continue
                 run = res["runs"][label].setdefault(seed, {})
                 model = self.step(f"train {label} seed {seed} ({part.steps} steps)",
                                   lambda: self.train(part, label, config, seed, run), needs=(ready,))
@@ -216,7 +218,7 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
             ``clip`` (CLIP-Tiny vs DiffCLIP-Tiny, both towers from scratch), ``lm`` (Transformer vs DIFF LM),
             ``recall`` (associative recall: Transformer vs DIFF V1 vs DIFF V2); default ``lit``.
         data: the demo data folder; missing datasets are built there first (their packages: ``make demo-data``).
-        lit_steps: training steps per LiT run (default 600; quick: 150).
+        lit_steps: training steps per LiT run (default 220; quick: 60).
         clip_steps: training steps per from-scratch CLIP run (default 200; quick: 60).
         lm_steps: training steps per LM run (default 200; quick: 60).
         recall_steps: training steps per recall run (default 150; quick: 80).
@@ -257,8 +259,8 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
                    "name": p.name, "title": p.title, "about": p.about, "budget": p.budget, "metrics": p.metrics,
                    "paper": p.paper, "models": [x for x, _ in p.models], "runs": {x: {} for x, _ in p.models},
                    "commands": {}, "plots": {}} for p in todo}}
-    demo = Demo(out, sum(bool(p.needs_data) + len(seeds) * len(p.models) * (1 + len(p.evals)) + 2 for p in todo) + 1,
-                results)
+    runs = [len(seeds) * len(p.models) - (len(seeds) - 1) * len(p.first_seed_only) for p in todo]
+    demo = Demo(out, sum(bool(p.needs_data) + n * (1 + len(p.evals)) + 2 for p, n in zip(todo, runs)) + 1, results)
     try:
         for p in todo:
             demo.run_part(p, seeds, data)
