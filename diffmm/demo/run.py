@@ -25,7 +25,8 @@ from matplotlib.figure import Figure
 
 from diffmm import __version__
 from diffmm.demo.datasets import STYLES, build_emoji, build_fashion_mnist, build_python_docs
-from diffmm.demo.parts import Part, build_parts
+from diffmm.demo.imageset import build_icons
+from diffmm.demo.parts import ICONS, Part, build_parts
 from diffmm.demo.report import write_report
 from diffmm.eval.plots import plot_loss_curves, read_metrics_csv
 from diffmm.hub.factory import load_pretrained
@@ -40,7 +41,7 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 STEPS = {"lit": 220, "clip": 200, "lm": 200, "recall": 150}
 QUICK_STEPS = {"lit": 60, "clip": 60, "lm": 60, "recall": 80}
 DATASETS = {"emoji": [f"emoji/{s}" for s in STYLES], "fashion-mnist": ["fashion-mnist/test"],
-            "python-docs": ["python-docs/train", "python-docs/val"]}
+            "python-docs": ["python-docs/train", "python-docs/val"], "icons": [ICONS]}
 
 
 def cpu_seconds() -> float:
@@ -52,10 +53,12 @@ def cpu_seconds() -> float:
 def ensure_data(data: str, needs: tuple[str, ...]) -> list[str]:
     """Build the datasets ``needs`` whose shards are missing under ``data`` (a missing source stops with one line
     naming its package); returns the shard folders built."""
-    builders = {"emoji": build_emoji, "fashion-mnist": build_fashion_mnist, "python-docs": build_python_docs}
+    builders = {"emoji": build_emoji, "fashion-mnist": build_fashion_mnist, "python-docs": build_python_docs,
+                "icons": build_icons}
     built = []
     for need in needs:
-        missing = [f for f in DATASETS[need] if not os.path.isfile(os.path.join(data, f, "sizes.json"))]
+        marker = "classes.json" if need == "icons" else "sizes.json"  # an image folder, not shards
+        missing = [f for f in DATASETS[need] if not os.path.isfile(os.path.join(data, f, marker))]
         if missing:
             builders[need](data, *([[f.split("/")[1] for f in missing]] if need == "emoji" else []))
         built += missing
@@ -118,7 +121,7 @@ class Demo:
         self.results["parts"][part.key]["commands"][label] = "diffmm " + shlex.join(argv)
         t = time.perf_counter()
         with warnings.catch_warnings():  # Lightning's notes on in-process CLI args and iterable datasets' __len__
-            warnings.filterwarnings("ignore", message=r".*(args parameter|`__len__` defined|LeafSpec)")
+            warnings.filterwarnings("ignore", message=r".*(args parameter|`__len__` defined|LeafSpec|in eval mode at the start)")
             steps = run_cli(argv).trainer.global_step
         seconds = time.perf_counter() - t
         if steps != part.steps:

@@ -20,6 +20,7 @@ from PIL import Image
 
 from diffmm.data.writer import ShardWriter
 from diffmm.demo.datasets import STYLES, build_fashion_mnist, build_python_docs
+from diffmm.demo.parts import ICONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUPS = ["Smileys & Emotion", "Animals & Nature", "Flags"]
@@ -66,6 +67,15 @@ def demo_data(tmp_path_factory) -> str:
         _emoji_style(emoji, style, 24, seed=k)
     with open(os.path.join(emoji, "classes.json"), "w") as f:
         json.dump({"groups": GROUPS, "subgroups": SUBGROUPS, "templates": ["an emoji of {}."]}, f)
+    icons = os.path.join(data, ICONS)  # the non-emoji image set: an image folder per class + classes.json
+    classes = ["food drinks", "sports", "transportation"]
+    for c, name in enumerate(classes):
+        os.makedirs(os.path.join(icons, name.replace(" ", "_")))
+        for i in range(4):
+            Image.fromarray(np.random.default_rng(c * 10 + i).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
+                os.path.join(icons, name.replace(" ", "_"), f"i{i}.png"))
+    with open(os.path.join(icons, "classes.json"), "w") as f:
+        json.dump({"classes": classes, "templates": ["an emoji of {}.", "an icon of {}."]}, f)
     idx = root / "idx"
     idx.mkdir()
     rng = np.random.default_rng(0)

@@ -29,11 +29,16 @@ def test_demo_lit_part(demo_data, configs, tmp_path):
         run = part["runs"][label]["0"]
         assert run["train"]["steps"] == 2 and run["zs_group"]["classes"] == 3 and run["zs_subgroup"]["classes"] == 4
         assert run["zs_group"]["chance_top1"] == pytest.approx(1 / 3) and run["retrieval"]["images"] == 24
+        assert run["zs_icons"]["images"] == 12 and run["zs_icons"]["classes"] == 3
     # the unlocked upcycled MiniLM has differential text layers whose lambdas are logged; the locked ones have none
     lambdas = part["runs"][MODELS[2]]["0"]["train"]["lambdas"]
     assert any(k.startswith("text.") for k in lambdas) and any(k.startswith("visual.") for k in lambdas)
     assert not any(k.startswith("text.") for k in part["runs"][MODELS[1]]["0"]["train"]["lambdas"])
     assert "--model.init_args.zeroshot=null" in part["commands"][MODELS[0]]
+    for name in ("lit_predictions.png", "lit_predictions.md", "attention/lit_attention_0.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    rows = open(os.path.join(out, "lit_predictions.md")).read().splitlines()[2:]
+    assert len(rows) == 2 * 3 and all(r.endswith(("✓ |", "✗ |")) for r in rows)  # two per group
     md = open(os.path.join(out, "report.md")).read()
     assert "LiT" in md and "LiT DiffCLIP-Tiny − LiT CLIP-Tiny" in md
     # a demo checkpoint is an ordinary one: it loads with its MiniLM tower and its text tower is still locked-equal
