@@ -34,12 +34,13 @@ from diffmm.demo.report import comparison_table
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEMO_DIR = os.path.join("results", "demo")
+SCRATCH_DIR = os.path.join("results", "demo_scratch")  # the from-scratch CLIP and LM run the LiT demo replaced
 SCRIPT = "scripts/results_tables.py"
 
 
 # ------------------------------------------------------------------------------------------------ demo
-def _load_demo(root: str) -> dict:
-    path = os.path.join(root, DEMO_DIR, "results.json")
+def _load_demo(root: str, folder: str = DEMO_DIR) -> dict:
+    path = os.path.join(root, folder, "results.json")
     if not os.path.isfile(path):
         raise SystemExit(f"{os.path.relpath(path, root)}: not found; run the demo and import it: "
                          f"`python {SCRIPT} --import-demo report`")
@@ -83,21 +84,22 @@ def demo_run(root: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def demo_part(key: str, what: str) -> Callable[[str], str]:
-    """The comparison table of the demo part ``key`` (the same table as the demo's report.md)."""
+def demo_part(key: str, what: str, folder: str = DEMO_DIR) -> Callable[[str], str]:
+    """The comparison table of the demo part ``key`` of the run in ``folder`` (the same table as its report.md)."""
     def render(root: str) -> str:
-        part = _load_demo(root)["parts"].get(key)
+        part = _load_demo(root, folder)["parts"].get(key)
         return comparison_table(part) if part else f"*(no {what} part in this run)*\n"
 
     return render
 
 
 # ----------------------------------------------------------------------------------------- machinery
-DOC, SOURCE = "docs/results.md", "results/demo/results.json"  # the doc with generated sections, and their source
-SECTIONS: dict[str, Callable[[str], str]] = {
-    "demo-run": demo_run,
-    "demo-clip": demo_part("clip", "image-text"),
-    "demo-lm": demo_part("lm", "language"),
+DOC = "docs/results.md"  # the doc with generated sections
+SECTIONS: dict[str, tuple[Callable[[str], str], str]] = {  # name -> (render, the run folder it reads)
+    "demo-run": (demo_run, DEMO_DIR),
+    "demo-lit": (demo_part("lit", "LiT"), DEMO_DIR),
+    "demo-clip": (demo_part("clip", "image-text", SCRATCH_DIR), SCRATCH_DIR),
+    "demo-lm": (demo_part("lm", "language", SCRATCH_DIR), SCRATCH_DIR),
 }
 
 
@@ -115,11 +117,12 @@ def _read_doc(root: str) -> str:
 def render(root: str = REPO) -> tuple[str, list[str]]:
     """The regenerated text of the doc, and the problems (missing markers)."""
     text, problems = _read_doc(root), []
-    for name, fn in SECTIONS.items():
+    for name, (fn, folder) in SECTIONS.items():
         if not _pattern(name).search(text):
             problems.append(f"{DOC}: no markers for section {name}")
             continue
-        block = (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {SOURCE}) -->\n" + fn(root).rstrip("\n") + "\n"
+        block = (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {folder}/results.json) -->\n" + fn(root).rstrip("\n")
+                 + "\n"
                  f"<!-- END GENERATED {name} -->")
         text = _pattern(name).sub(lambda m: block, text, count=1)
     return text, problems
@@ -169,8 +172,9 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
     preset, steps = config["preset"], r["config"]["steps"]
     write("README.md", f"# The demo run behind docs/results.md\n\n"
           f"`{r['command']}`, preset **{preset}**"
-          + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), {steps['clip']} CLIP and {steps['lm']} LM "
-             "steps; not the documented 3-seed comparison)" if preset == "quick" else "")
+          + (f" (a smoke test: {len(r['config']['seeds'])} seed(s), "
+             + ", ".join(f"{steps[p]} {p} steps" for p in r["config"]["parts"])
+             + "; not the documented 3-seed comparison)" if preset == "quick" else "")
           + f", finished {r.get('finished', '?')}.\n\n"
           "`results.json` holds every number, `config.json` the config and environment, `report.md` the "
           "report with its plots. Written by `python scripts/results_tables.py --import-demo DIR`, which also "

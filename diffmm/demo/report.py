@@ -91,7 +91,11 @@ def comparison_table(part: dict) -> str:
 
 
 def _img(out: str, path: Optional[str], alt: str) -> str:
+    """A picture of the report, or the text of a Markdown file (a table) that a part wrote beside it."""
     ok = path and os.path.isfile(os.path.join(out, path))
+    if ok and path.endswith(".md"):
+        with open(os.path.join(out, path)) as f:
+            return "\n" + f.read() + "\n"
     return f"![{alt}]({path})\n" if ok else f"*({alt}: not drawn, see the steps below)*\n"
 
 

@@ -10,7 +10,7 @@ MAPS = {
      "emails": O, "messages_chat_smileys": SM, "arrows_diagrams": SY},
 }
 src, name = sys.argv[1], os.path.basename(sys.argv[1])
-dst = f"/tmp/imgset_map/{name}"
+dst = os.path.join(sys.argv[2] if len(sys.argv) > 2 else "mapped", name)  # the mapped copy: ARGV2/<set>
 for cat, group in MAPS[name].items():
     os.makedirs(os.path.join(dst, group), exist_ok=True)
     for f in os.listdir(os.path.join(src, cat)):

@@ -23,7 +23,8 @@ def rt():
 @pytest.fixture
 def tree(tmp_path, rt) -> str:
     """A copy of the docs and results the generator reads."""
-    files = {rt.DOC, rt.SOURCE, os.path.join("results", "demo", "config.json")}  # + the preset recorded at import
+    files = {rt.DOC, os.path.join(rt.DEMO_DIR, "results.json"), os.path.join(rt.DEMO_DIR, "config.json"),  # + preset
+             os.path.join(rt.SCRATCH_DIR, "results.json")}
     for f in files:
         os.makedirs(tmp_path / os.path.dirname(f), exist_ok=True)
         shutil.copyfile(os.path.join(ROOT, f), tmp_path / f)
@@ -52,7 +53,7 @@ def test_a_changed_number_is_stale_and_rewritten(rt, tree, capsys):
 
 
 def test_changed_results_change_the_tables(rt, tree):
-    path = os.path.join(tree, "results", "demo", "results.json")
+    path = os.path.join(tree, rt.SCRATCH_DIR, "results.json")
     with open(path) as f:
         r = json.load(f)
     clip = r["parts"]["clip"]
@@ -93,7 +94,9 @@ def test_import_demo_copies_results_without_machine_paths(rt, tree, tmp_path):
     assert got["plots"]["clip_loss"] == "results/demo/clip_loss_curves.png"
     cfg = json.load(open(os.path.join(tree, "results", "demo", "config.json")))
     assert cfg["preset"] == "quick" and cfg["config"]["seeds"] == r["config"]["seeds"]
-    assert "(a smoke test: 3 seed(s), 200 CLIP and 200 LM steps" in open(os.path.join(tree, "results", "demo", "README.md")).read()
+    steps = ", ".join(f"{r['config']['steps'][p]} {p} steps" for p in r["config"]["parts"])
+    assert f"(a smoke test: {len(r['config']['seeds'])} seed(s), {steps}" in open(
+        os.path.join(tree, "results", "demo", "README.md")).read()
     assert "log: results/demo/demo.log" in open(os.path.join(tree, "results", "demo", "report.md")).read()
 
 
