@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from diffmm.models.attn_adapters import additive_mask
 from diffmm.models.clip.config import TextCfg, layer_attn_types
 from diffmm.models.swap import swap_attention
 from diffmm.models.upcycle import UPCYCLE_TYPES
@@ -195,8 +196,7 @@ class HFTextTower(nn.Module):
         return self.pool(self._layers(hidden, mask, start, None), mask)
 
     def _layers(self, h: torch.Tensor, mask: torch.Tensor, start: int, stop: Optional[int]) -> torch.Tensor:
-        additive = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=h.dtype, device=h.device)
-        additive.masked_fill_(~mask[:, None, None, :], torch.finfo(h.dtype).min)  # (B, 1, 1, L') 0 = attend
+        additive = additive_mask(mask[:, None, None, :], true_means_keep=True, dtype=h.dtype)  # (B, 1, 1, L')
         for layer in self.transformer.encoder.layer[start:stop]:
             out = layer(h, attention_mask=additive)
             h = out[0] if isinstance(out, tuple) else out
