@@ -73,6 +73,9 @@ def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] =
     tok = _lm_tokenizer(checkpoint, tokenizer, trust_pickle) if isinstance(net, DiffLM) else None
     if tokenizer is not None and not isinstance(net, DiffLM):
         raise ValueError(f"{checkpoint}: --tokenizer is for LMs; this is a {type(net).__name__}")
+    if tok is not None and tok.vocab_size > net.config.vocab_size:
+        raise ValueError(f"{checkpoint}: the tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size "
+                         f"{net.config.vocab_size} (--tokenizer names another one)")
     if isinstance(net, DiffLM) and tok is None:
         log.warning("%s: no tokenizer recorded; the export has no tokenizer files (pass --tokenizer clip or a "
                     "tokenizer.json)", checkpoint)

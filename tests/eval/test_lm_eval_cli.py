@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diffmm.cli import main as diffmm_main
+from diffmm.cli import parse
 from diffmm.data.tokenizers import ClipBPE
 from diffmm.hub.difflama import save_difflama
 from diffmm.models.lm import DiffLM, LMConfig
@@ -24,7 +25,8 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.__main__ import cli_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from diffmm.eval.harness import DiffmmLM, largest_batch, parse_batch_size  # noqa: E402
+from diffmm.eval.harness import (DiffmmLM, largest_batch, lm_eval_argv, lm_eval_cli,  # noqa: E402
+                                 parse_batch_size)
 
 #: a multiple-choice task written for this test: (question, choices, answer index)
 QUESTIONS = [("The capital of France is", ["Paris", "London", "Rome"], 0),
@@ -122,6 +124,12 @@ def test_cli_passes_lm_eval_arguments_through(capsys):
     assert diffmm_main(["eval", "lm-eval", "--help"]) == 0
     out = capsys.readouterr().out
     assert all(flag in out for flag in ("--model_args", "--tasks", "--include_path", "--batch_size", "--output_path"))
+    args = ["--model_args", "pretrained=x", "--tasks", "a,b", "--batch_size", "auto"]
+    assert parse(["eval", "lm-eval", *args]) == (["eval", "lm-eval"], lm_eval_cli, {"argv": args})
+    assert lm_eval_argv(args) == ["run", "--model", "diffmm", *args]
+    assert lm_eval_argv(["run", "--model", "hf", *args]) == ["run", "--model", "hf", *args]
+    assert diffmm_main(["eval", "lm-eval", "--tasks", "a", "--lm", "x"]) == 2  # lm-eval's parser: no --lm
+    assert "unrecognized arguments: --lm x" in capsys.readouterr().err
 
 
 def test_batch_size_parsing_and_search():
