@@ -127,6 +127,7 @@ class DiffmmLM(LM or object):  # type: ignore[misc]
         self.model, self.tok = model.eval(), tokenizer
         self._device = model_device(model)
         self.fixed_batch, self.auto_times = parse_batch_size(batch_size)
+        self.batch_size_spec = str(batch_size)
         self.max_batch_size = int(max_batch_size or 64)
         self.batch_sizes: dict[int, int] = {}  # longest request length -> the batch size auto found for it
         self.max_length = int(max_length or context_limit(model) or 2048)
@@ -250,8 +251,11 @@ def run_lm_eval(lm: "DiffmmLM", tasks: list[str], *, include_path: Optional[str]
                               fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters)
     if res is None:
         raise EvalError("lm-eval returned no results")
+    config = {k: v for k, v in res.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}
+    if isinstance(lm, DiffmmLM):  # simple_evaluate records these only for a model given by name
+        config.update(batch_size=lm.batch_size_spec, batch_sizes=list(lm.batch_sizes.values()))
     return {"results": res["results"], "versions": res.get("versions", {}), "n-samples": res.get("n-samples", {}),
-            "config": {k: v for k, v in res.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}}
+            "config": config}
 
 
 def lm_eval_argv(argv: list[str]) -> list[str]:

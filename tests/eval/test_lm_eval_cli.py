@@ -149,6 +149,31 @@ def test_batch_size_parsing_and_search():
         largest_batch(lambda b: (_ for _ in ()).throw(ValueError("shape")), 8)
 
 
+def test_auto_batch_size_searches_on_an_accelerator():
+    """The search path taken off CPU: the meta device stands in for a GPU whose memory holds 12 rows."""
+
+    class Bounded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, device="meta"))
+            self.calls = []
+
+        def forward(self, idx):
+            self.calls.append(tuple(idx.shape))
+            if idx.shape[0] > 12:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            return torch.zeros(*idx.shape, 50, device=idx.device)
+
+    class Tok:
+        eos_id = 0
+
+    model = Bounded()
+    lm = DiffmmLM(model, Tok(), batch_size="auto", max_batch_size=48, max_length=20)
+    assert lm._device.type == "meta"
+    assert lm.auto_batch_size(30) == 12 and model.calls == [(48, 20), (24, 20), (12, 20)]  # length capped at 20
+    assert lm.auto_batch_size(30) == 12 and len(model.calls) == 3  # found once per length
+
+
 def test_auto_batch_size_scores_like_a_fixed_one():
     torch.manual_seed(0)
     model = DiffLM(LMConfig(vocab_size=64, block_size=32, n_layer=1, n_embd=32, n_head=4, init_std=0.1)).eval()
@@ -182,3 +207,16 @@ def test_entry_point_is_declared_and_resolves():
     registry = Registry("model")
     registry.register("diffmm", target=EntryPoint(name="diffmm", value=value, group="lm_eval.models"))
     assert registry.get("diffmm") is DiffmmLM
+
+
+def test_python_form_keeps_stderr_and_auto(tmp_path, local_task):
+    from diffmm.eval.commands import lm_eval
+
+    folder = tmp_path / "difflama"
+    _difflama_export(folder)
+    res = lm_eval(lm=str(folder), tasks="diffmm_toy_qa", include_path=local_task, batch_size="auto", device="cpu",
+                  out=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
+    metrics = json.loads((tmp_path / "r.json").read_text())["results"]["diffmm_toy_qa"]
+    assert metrics["acc_stderr,none"] > 0 and metrics == res["results"]["diffmm_toy_qa"]
+    assert f"{metrics['acc_stderr,none']:.4f}" in (tmp_path / "r.md").read_text()
+    assert res["config"]["batch_size"] == "auto" and res["config"]["batch_sizes"] == [64]  # CPU: max_batch_size
