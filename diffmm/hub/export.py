@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -118,5 +119,6 @@ def _read_hparams(path: str, trust_pickle: bool) -> dict:
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
-    except Exception:  # an old (non-zip) file: read it as the loader does, with its one-line errors
+    except (RuntimeError, ValueError, pickle.UnpicklingError):  # an old (non-zip) file, or one that needs
+        # trust_pickle: read it as the loader does, with its one-line errors
         return read_lightning(path, trust_pickle=trust_pickle)[2]

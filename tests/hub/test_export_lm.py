@@ -52,7 +52,7 @@ def test_tokenizer_from_datamodule_flag_and_missing(tmp_path, capsys, caplog):
     tj = train_byte_level_bpe([TEXT * 3, "the cat sat on the mat"] * 20, str(tmp_path / "tok" / "tokenizer.json"),
                               vocab_size=300, eos_token="<|endoftext|>")
     kw = {**KWARGS, "vocab_size": 320}
-    ckpt, model = _lm_ckpt(tmp_path / "a.ckpt", {"model_name": "diff-tiny", "model_kwargs": kw, "tokenizer": None},
+    ckpt, _ = _lm_ckpt(tmp_path / "a.ckpt", {"model_name": "diff-tiny", "model_kwargs": kw, "tokenizer": None},
                            datamodule_hyper_parameters={"tokenizer": tj.path})
     assert diffmm_main(["export", ckpt, str(tmp_path / "a"), "--format", "difflama"]) == 0
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "a")(TEXT)["input_ids"] == tj.encode(TEXT)
