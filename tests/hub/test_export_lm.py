@@ -54,6 +54,7 @@ def test_tokenizer_from_datamodule_flag_and_missing(tmp_path, capsys, caplog):
     kw = {**KWARGS, "vocab_size": 320}
     ckpt, _ = _lm_ckpt(tmp_path / "a.ckpt", {"model_name": "diff-tiny", "model_kwargs": kw, "tokenizer": None},
                            datamodule_hyper_parameters={"tokenizer": tj.path})
+    assert lm_tokenizer(ckpt).encode(TEXT) == tj.encode(TEXT)  # evaluations of the checkpoint use it too
     assert diffmm_main(["export", ckpt, str(tmp_path / "a"), "--format", "difflama"]) == 0
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "a")(TEXT)["input_ids"] == tj.encode(TEXT)
     assert isinstance(lm_tokenizer(str(tmp_path / "a")), TokenizerFile)
