@@ -10,14 +10,17 @@ import open_clip
 import pytest
 import torch
 from open_clip.model import get_input_dtype
+from open_clip.transformer import LayerNormFp32
 from open_clip.transform import PreprocessCfg, image_transform_v2
 from PIL import Image
 
 import diffmm
 from diffmm.hub.clip_convert import open_clip_to_diffmm
+from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.precision import PRECISIONS, input_dtype
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD
 from diffmm.models.clip.preprocess import transforms_for
+from diffmm.nn import LayerNorm
 
 # tiny open_clip architectures registered under test names (open_clip's registry is global: unique names)
 OC_TINY = {"embed_dim": 32,
@@ -109,6 +112,12 @@ def test_logit_bias_as_open_clip(oc_names, tmp_path):
     loaded = diffmm.load_pretrained(tmp_path / "siglip_style.pt", head_width=16, text_head_width=16).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded.get_logits(img, txt)[0], ref.get_logits(img, txt)[0], **TOL)
+    # and a diffmm export keeps it
+    model.output_dict = False
+    save_export(model, tmp_path / "export")
+    with torch.no_grad():
+        for a, b in zip(diffmm.load_pretrained(tmp_path / "export")(img, txt), model(img, txt)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_training_refuses_logit_bias(oc_names):
@@ -136,6 +145,19 @@ def test_precision_as_open_clip(oc_names, precision):
         for a, b in zip(model(img, txt), ref(img, txt)):
             assert a.dtype == b.dtype
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layernorm_as_open_clip_fp32_layernorm(dtype):
+    """Under mixed precision (fp32 weights, low-precision input) diffmm's LayerNorm is open_clip's LayerNormFp32."""
+    torch.manual_seed(0)
+    ours, ref = LayerNorm(64), LayerNormFp32(64)
+    with torch.no_grad():
+        ours.weight.normal_(), ours.bias.normal_()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 7, 64).to(dtype)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    assert ours(x).dtype == dtype
 
 
 def test_precision_errors():
