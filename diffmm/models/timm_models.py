@@ -24,7 +24,7 @@ from functools import partial
 from typing import Optional, Union
 
 import torch.nn as nn
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from diffmm.hub.clip_convert import diffmm_vit_to_timm, open_clip_to_diffmm, timm_vit_to_diffmm
@@ -180,6 +180,10 @@ def create_timm_vit(config_name: str, pretrained: bool = False, **kwargs) -> Vis
     ``attn_backend=`` sets the attention backend, ``out_indices=`` the ``features_only`` maps (default: the last
     3 blocks, timm's ViT default), other kwargs are timm's."""
     v = get_model_config(config_name).vision_cfg
+    if pretrained and not resolve_pretrained_cfg(timm_name(config_name), kwargs.get("pretrained_cfg"),
+                                                 kwargs.get("pretrained_cfg_overlay")).has_weights:
+        raise ValueError(f"{timm_name(config_name)}: no weights to download; give a local file with "
+                         f"pretrained_cfg_overlay=dict(file=PATH) (tags: {', '.join(tags_of(config_name))})")
     out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(build_vit, timm_name(config_name), pretrained,
                                 pretrained_filter_fn=checkpoint_filter,

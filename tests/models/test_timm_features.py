@@ -245,6 +245,9 @@ def test_open_clip_weights_load_under_open_clip_tag(tmp_path):
         _from_file("diffmm_openclip_tiny", tmp_path / "open_clip_model.safetensors")
     with pytest.raises(ValueError, match="tag 'official', which takes clip layout; diffmm_diffclip_tiny has no tag"):
         _from_file("diffmm_diffclip_tiny.official", tmp_path / "open_clip_model.safetensors")
+    with pytest.raises(ValueError, match=r"diffmm_openclip_tiny: no weights to download; give a local file with "
+                                         r"pretrained_cfg_overlay=dict\(file=PATH\) \(tags: diffmm, open_clip\)"):
+        timm.create_model("diffmm_openclip_tiny.open_clip", pretrained=True)
     torch.save({"foo.weight": torch.zeros(1)}, tmp_path / "other.pth")
     with pytest.raises(KeyError, match="other.pth: no visual.conv1.weight"):
         _from_file("diffmm_openclip_tiny", tmp_path / "other.pth")
