@@ -18,6 +18,8 @@ from PIL import Image, ImageDraw
 import diffmm
 from diffmm.cli import main
 from diffmm.eval.clip_benchmark import _accuracy_numpy2, clip_benchmark, read_wds_folder, register
+from diffmm.eval.loading import load_clip
+from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
 from diffmm.hub.diffmm_export import save_export
 
 cb_builder = pytest.importorskip("clip_benchmark.webdataset_builder")  # CLIP_benchmark: the 'eval' extra
@@ -44,14 +46,31 @@ class Images(list):
     templates: ClassVar[list[str]] = []
 
 
+SMALL = {"embed_dim": 64, "vision_cfg": {"image_size": 32, "width": 64, "layers": 2},
+         "text_cfg": {"width": 64, "heads": 2, "layers": 2}}
+
+
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
+def small_model():
     torch.manual_seed(0)
+    return diffmm.create_model("DiffCLIP-Tiny", **SMALL).eval()
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, small_model):
     folder = tmp_path_factory.mktemp("model") / "diffclip-tiny"
-    small = {"embed_dim": 64, "vision_cfg": {"image_size": 32, "width": 64, "layers": 2},
-             "text_cfg": {"width": 64, "heads": 2, "layers": 2}}
-    save_export(diffmm.create_model("DiffCLIP-Tiny", **small), folder)
+    save_export(small_model, folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def ckpt_path(tmp_path_factory, small_model):
+    """The same weights as a Lightning checkpoint of diffmm fit (model config saved in it)."""
+    path = tmp_path_factory.mktemp("run") / "last.ckpt"
+    torch.save({"pytorch-lightning_version": "2.6.6", "hyper_parameters": {"model_name": "DiffCLIP-Tiny"},
+                "state_dict": {f"model.{k}": v for k, v in small_model.state_dict().items()},
+                MODEL_CONFIG_KEY: small_model.config.to_dict()}, path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -134,18 +153,27 @@ def test_accuracy_shim_equals_sklearn():
         torch.testing.assert_close(fn(logits, target, topk=(1, 3, 5)), want)
 
 
-def test_cli_writes_clip_benchmark_json_per_model(cls_root, export_dir, tmp_path, capsys):
-    """Output template filled per run (a path model enters as its folder name); config names load with random
-    weights; the printed table holds each run."""
-    records = clip_benchmark(model=[export_dir, "DiffCLIP-Tiny"], dataset="wds/shapes", dataset_root=cls_root,
+def test_one_json_per_model_and_the_loader(cls_root, export_dir, ckpt_path, tmp_path, capsys):
+    """Output template filled per run (a path model enters as its last part); the same weights as an export folder
+    and as a Lightning .ckpt give the same record; the table holds each run. The loader CLIP_benchmark calls seeds
+    random weights as diffmm's does and reads --pretrained none as no weights."""
+    records = clip_benchmark(model=[export_dir, ckpt_path], dataset="wds/shapes", dataset_root=cls_root,
                              no_amp=True, batch_size=16, num_workers=0, quiet=True,
                              output=str(tmp_path / "out" / "{dataset}_{pretrained}_{model}_{language}_{task}.json"))
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert files == ["shapes_none_DiffCLIP-Tiny_en_zeroshot_classification.json",
-                     "shapes_none_diffclip-tiny_en_zeroshot_classification.json"]
-    assert [r["model"] for r in records] == [export_dir, "DiffCLIP-Tiny"]
-    assert all(r["task"] == "zeroshot_classification" and not math.isnan(r["metrics"]["acc5"]) for r in records)
+    assert files == ["shapes_none_diffclip-tiny_en_zeroshot_classification.json",
+                     "shapes_none_last.ckpt_en_zeroshot_classification.json"]
+    assert [r["model"] for r in records] == [export_dir, ckpt_path]
+    assert records[0]["metrics"] == records[1]["metrics"] and not math.isnan(records[0]["metrics"]["acc5"])
     assert capsys.readouterr().out.count("| wds/shapes | zeroshot_classification |") == 2
+
+    from clip_benchmark.models import TYPE2FUNC
+
+    register(seed=3)
+    net, _, tok = TYPE2FUNC["diffmm"](model_name="CLIP-Tiny", pretrained="none", cache_dir=None, device="cpu")
+    ref = load_clip("CLIP-Tiny", None, device="cpu", seed=3)[0]
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), ref.state_dict().values()))
+    assert tok(["a photo"]).shape == (1, net.config.text_cfg.context_length)
 
 
 def test_wds_folder_and_errors(cls_root, ret_root, export_dir, tmp_path, capsys):
