@@ -46,9 +46,10 @@ MISSING = "CLIP_benchmark is not installed; pip install 'clip-benchmark==1.6.2' 
 # ------------------------------------------------------------------------------------------- CLIP_benchmark side
 def _accuracy_numpy2(output: torch.Tensor, target: torch.Tensor, topk: Sequence[int] = (1,)) -> list[float]:
     """CLIP_benchmark 1.6.2's ``metrics.zeroshot_classification.accuracy`` (top-k accuracy of logits (N, C) against
-    labels (N,)) with its one NumPy 2 failure removed. Its last line ends in ``float(<array of shape (1,)>)``
-    (a ``sum(0, keepdim=True)`` turned ``.numpy()``), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
-    converted to Python scalars"); here the count is a 0-d tensor. Same ranking (``topk``, sorted), same values."""
+    labels (N,)) with its one NumPy 2 failure removed. Its last line ends in ``float(<array of shape (1,)>)`` (a
+    ``sum(0, keepdim=True)`` turned ``.numpy()``), deprecated since NumPy 1.25 and refused by NumPy 2.4 ("only
+    0-dimensional arrays can be converted to Python scalars"); here the count is a 0-d tensor. Same ranking
+    (``topk``, sorted), same values."""
     pred = output.topk(max(topk), 1, True, True)[1].t()  # (kmax, N)
     correct = pred.eq(target.view(1, -1).expand_as(pred))
     return [float(correct[:k].sum()) / len(target) for k in topk]
@@ -73,8 +74,8 @@ def _load_for_clip_benchmark(model_name: str, pretrained: str, cache_dir: Option
 
 def register(*, trust_pickle: bool = False, seed: int = 0):
     """Add ``diffmm`` to CLIP_benchmark's model types (any model :func:`diffmm.eval.loading.load_clip` reads; a
-    ``--pretrained`` of ``none`` means none) and, on NumPy >= 2.4, swap in :func:`_accuracy_numpy2`; returns
-    ``clip_benchmark.cli``.
+    ``--pretrained`` of ``none`` means none) and, where NumPy refuses the float in its ``accuracy``, swap in
+    :func:`_accuracy_numpy2`; returns ``clip_benchmark.cli``.
 
     Args:
         trust_pickle: allow pickled checkpoints that need full unpickling (official DiffCLIP; files you trust).
