@@ -28,6 +28,7 @@ from diffmm.demo.datasets import build_demo_data, build_emoji, build_fashion_mni
 from diffmm.demo.imageset import build_icons
 from diffmm.demo.montage import draw_demo_montage
 from diffmm.eval import commands
+from diffmm.eval.clip_benchmark import clip_benchmark
 from diffmm.hub.export import export
 from diffmm.train.cli import main as lightning_main
 
@@ -41,6 +42,7 @@ COMMANDS: dict = {
              "zeroshot": commands.zeroshot, "retrieval": commands.retrieval, "linear-probe": commands.linear_probe,
              "perplexity": commands.perplexity, "needle": commands.needle, "recall": commands.recall,
              "outliers": commands.outliers, "icl": commands.icl, "lm-eval": commands.lm_eval,
+             "clip-benchmark": clip_benchmark,
              "plot-attention": commands.plot_attention, "plot-needle": commands.plot_needle,
              "plot-loss": commands.plot_loss},
     "classify": commands.classify,

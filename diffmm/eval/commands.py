@@ -26,6 +26,7 @@ from diffmm.data.system_data import PYTHON_DOCS
 from diffmm.data.text import TextDataset
 from diffmm.eval.classify import classify_images
 from diffmm.eval.classnames import get_classnames, get_templates, parse_labels
+from diffmm.eval.clip_benchmark import read_wds_folder, retrieval_record, zeroshot_record
 from diffmm.eval.common import EvalError, markdown_table
 from diffmm.eval.icl import ICLConfig, icl_order_robustness, load_jsonl_examples
 from diffmm.eval.image_sources import IdxSource, expand_image_inputs, open_image_source
@@ -63,6 +64,7 @@ SHARED_ARGS = {
     "out": "write the result as JSON here.",
     "md": "write the markdown table here.",
     "progress": "show a progress bar.",
+    "format": "the JSON written to out: diffmm's own, or clip_benchmark (CLIP_benchmark's schema, to compare rows).",
 }
 
 
@@ -95,47 +97,60 @@ def zeroshot(*, model: str, data: str, pretrained: Optional[str] = None, classna
              templates: str | list[str] | None = None, split: str = "test", label_field: str = "cls",
              batch_size: int = 64, workers: int = 2, max_batches: Optional[int] = None, seed: int = 0,
              trust_pickle: bool = False, device: str = "auto", precision: str = "auto", out: Optional[str] = None,
-             md: Optional[str] = None, progress: bool = True) -> dict:
+             md: Optional[str] = None, progress: bool = True,
+             format: Literal["diffmm", "clip_benchmark"] = "diffmm") -> dict:
     """Zero-shot image classification: top-1/5, per-class accuracy and the confusion matrix.
 
     Args:
-        data: labelled images: ROOT/<class>/<image> folders, an IDX folder (or idx:FOLDER), or shards such as
-            'dir/x-{000000..000009}.tar' (unlabelled images: diffmm classify).
-        classnames: imagenet, fashion-mnist, or a .txt/.json file (FILE.json:KEY); default: the class folder names.
+        data: labelled images: ROOT/<class>/<image> folders, an IDX folder (or idx:FOLDER), shards such as
+            'dir/x-{000000..000009}.tar', or a CLIP_benchmark wds folder (unlabelled images: diffmm classify).
+        classnames: imagenet, fashion-mnist, or a .txt/.json file (FILE.json:KEY); default: the class folder names
+            (a wds folder: its classnames.txt).
         templates: a prompt template with {} such as 'a photo of a {}.', a built-in list (openai, simple, plain) or
-            a .txt/.json file; several with --templates+ (default: simple).
-        split: the IDX split: train or test.
+            a .txt/.json file; several with --templates+ (default: simple; a wds folder: its templates).
+        split: the IDX or wds split: train or test.
     """
     net, preprocess, tokenizer = load_clip(model, pretrained, device=device, trust_pickle=trust_pickle, seed=seed)
+    wds = read_wds_folder(data, split)  # a CLIP_benchmark wds/ folder: its shards, class names and templates
+    classnames, templates = classnames or (wds and wds.classnames), templates or (wds and wds.templates)
     names = get_classnames(classnames) if classnames else None
-    source = open_image_source(data, preprocess, classnames=names, label_field=label_field, split=split,
-                               batch_size=batch_size, num_workers=workers)
+    source = open_image_source(wds.shards if wds else data, preprocess, classnames=names, label_field=label_field,
+                               split=split, batch_size=batch_size, num_workers=workers)
     names = names or source.classnames
     if names is None:
         raise EvalError(f"{data}: give --classnames (a built-in list such as fashion-mnist or imagenet, or a file)")
     res = zero_shot(net, tokenizer, source, names, get_templates(templates or "simple"), precision=precision,
                     show_progress=progress, max_batches=max_batches)
-    return report({"task": "zeroshot", "model": model, "pretrained": pretrained, "data": data, **res.to_dict()},
-                  res.to_markdown(f"Zero-shot: {model} on {data}"), out, md)
+    result = {"task": "zeroshot", "model": model, "pretrained": pretrained, "data": data, **res.to_dict()}
+    if format == "clip_benchmark":
+        result = zeroshot_record(res, dataset=wds.name if wds else data, model=model, pretrained=pretrained)
+    return report(result, res.to_markdown(f"Zero-shot: {model} on {data}"), out, md)
 
 
 @shared_docs
 def retrieval(*, model: str, data: str, pretrained: Optional[str] = None, caption_field: str = "txt",
-              batch_size: int = 64, workers: int = 2, max_batches: Optional[int] = None, seed: int = 0,
-              trust_pickle: bool = False, device: str = "auto", precision: str = "auto", out: Optional[str] = None,
-              md: Optional[str] = None, progress: bool = True) -> dict:
-    """Image->text and text->image recall@1/5/10 on image-text shards.
+              recall_k: int | Sequence[int] = (1, 5, 10), split: str = "test", batch_size: int = 64, workers: int = 2,
+              max_batches: Optional[int] = None, seed: int = 0, trust_pickle: bool = False, device: str = "auto",
+              precision: str = "auto", out: Optional[str] = None, md: Optional[str] = None, progress: bool = True,
+              format: Literal["diffmm", "clip_benchmark"] = "diffmm") -> dict:
+    """Image->text and text->image recall@k (default 1, 5, 10) on image-text shards.
 
     Args:
-        data: image-text shards.
+        data: image-text shards, or a CLIP_benchmark wds retrieval folder.
         caption_field: txt (one caption a line) or json:NAME (a string or a list).
+        recall_k: the k of recall@k.
+        split: the split of a wds folder.
     """
+    ks = [recall_k] if isinstance(recall_k, int) else list(recall_k)
     net, preprocess, tokenizer = load_clip(model, pretrained, device=device, trust_pickle=trust_pickle, seed=seed)
-    res = retrieval_on_shards(net, tokenizer, data, preprocess, caption_field=caption_field, batch_size=batch_size,
-                              num_workers=workers, precision=precision, show_progress=progress,
-                              max_batches=max_batches)
-    return report({"task": "retrieval", "model": model, "data": data, **res}, retrieval_markdown({model: res}),
-                  out, md)
+    wds = read_wds_folder(data, split)
+    res = retrieval_on_shards(net, tokenizer, wds.shards if wds else data, preprocess, caption_field=caption_field,
+                              batch_size=batch_size, num_workers=workers, ks=ks, precision=precision,
+                              show_progress=progress, max_batches=max_batches)
+    result = {"task": "retrieval", "model": model, "data": data, **res}
+    if format == "clip_benchmark":
+        result = retrieval_record(res, ks, dataset=wds.name if wds else data, model=model, pretrained=pretrained)
+    return report(result, retrieval_markdown({model: res}, ks), out, md)
 
 
 @shared_docs

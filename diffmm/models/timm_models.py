@@ -6,11 +6,15 @@
   itself (a ``functools.partial`` is refused) and timm passes it only its own arguments: the depth, another
   lambda_init and the backend are set after building with :func:`set_layer_depths`.
 - Every image tower of ``diffmm/model_configs`` is registered as ``diffmm_<config name>`` (lower case, ``-`` ->
-  ``_``; e.g. ``diffmm_diffclip_vit_b_16``, ``diffmm_diffclip_star_tiny``, ``diffmm_clip_vit_b_16``): a timm
-  ``VisionTransformer`` whose state dict equals ``DiffCLIP.visual``'s (``diffmm_vit_to_timm``), with timm's
-  features (``forward_features``, ``forward_intermediates``, ``reset_classifier``, ...). ``num_classes``
-  defaults to 0 (a feature extractor). Local weights: ``pretrained=True,
-  pretrained_cfg_overlay=dict(file=PATH)``.
+  ``_``; e.g. ``diffmm_diffclip_vit_b_16``, ``diffmm_diffclip_star_tiny``, ``diffmm_clip_vit_b_16``): a
+  timm ``VisionTransformer`` whose state dict equals ``DiffCLIP.visual``'s (``diffmm_vit_to_timm``), its diffmm
+  layers given their depth as it is built (:func:`build_vit`), built the way timm builds its ViTs
+  (``build_model_with_cfg``, ``features_only`` through ``FeatureGetterNet`` / ``forward_intermediates``,
+  ``feature_info``, ``num_classes`` (default 0: a feature extractor), ``global_pool``, ``reset_classifier``).
+- Weight sources are pretrained tags (:data:`WEIGHT_SOURCES`), each with its own mean/std in ``pretrained_cfg``:
+  ``NAME.diffmm`` (the default), ``NAME.official`` (DiffCLIP configs), ``NAME.open_clip`` (OpenCLIP configs).
+  Nothing is downloaded: ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` loads a local file of any
+  layout diffmm reads (:func:`checkpoint_filter`).
 
 ``import diffmm`` imports this module, which registers the names.
 """
@@ -20,11 +24,13 @@ from functools import partial
 from typing import Optional, Union
 
 import torch.nn as nn
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from diffmm.hub.clip_convert import diffmm_vit_to_timm, open_clip_to_diffmm, timm_vit_to_diffmm
 from diffmm.models.attn_adapters import adapter_class
-from diffmm.models.clip.config import VisionCfg, get_model_config, list_models
+from diffmm.models.clip.config import (IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD, VisionCfg,
+                                       get_model_config, list_models)
 from diffmm.nn import ATTENTION_LAYERS, QuickGELU
 from diffmm.nn.lambdas import resolve_lambda_init
 
@@ -49,11 +55,14 @@ def set_layer_depths(model: nn.Module, *, lambda_init: Union[str, float, None] =
     diffmm ``attn_layer``.
 
     Args:
-        model: a timm ViT (``model.blocks``).
+        model: a timm ViT (``model.blocks``), or timm's ``features_only`` wrapper of one (``model.model``).
         lambda_init: also replace the layers' lambda_init (``'depth'``, ``'constant'`` or a number).
         backend: also set the layers' attention backend.
     """
-    for i, blk in enumerate(model.blocks):
+    vit = model if hasattr(model, "blocks") else getattr(model, "model", None)  # FeatureGetterNet keeps .model
+    if not hasattr(vit, "blocks"):
+        raise ValueError(f"set_layer_depths needs a timm ViT with .blocks; got {type(model).__name__}")
+    for i, blk in enumerate(vit.blocks):
         attn = blk.attn
         if not hasattr(attn, "layer_idx"):
             continue  # not a diffmm layer
@@ -65,6 +74,20 @@ def set_layer_depths(model: nn.Module, *, lambda_init: Union[str, float, None] =
                 attn.lambda_init_spec = lambda_init
             attn.lambda_init = resolve_lambda_init(attn.lambda_init_spec, i)
     return model
+
+
+def build_vit(*, lambda_init: Union[str, float, None] = None, attn_backend: Optional[str] = None,
+              **kwargs) -> VisionTransformer:
+    """timm's ``VisionTransformer(**kwargs)`` whose diffmm attention layers know their depth (and lambda_init,
+    backend) as it is returned: the ``model_cls`` given to timm's ``build_model_with_cfg``, so what timm does after
+    building (loading weights, wrapping for ``features_only``) sees a finished model.
+
+    Args:
+        lambda_init: the layers' lambda_init (``'depth'``, ``'constant'`` or a number; None keeps the class's).
+        attn_backend: the layers' attention backend (None: automatic).
+        **kwargs: timm's ``VisionTransformer`` arguments.
+    """
+    return set_layer_depths(VisionTransformer(**kwargs), lambda_init=lambda_init, backend=attn_backend)
 
 
 def vit_kwargs(vision_cfg: VisionCfg) -> dict:
@@ -92,15 +115,80 @@ def timm_name(config_name: str) -> str:
     return "diffmm_" + config_name.lower().replace("-", "_")
 
 
+#: pretrained tag -> (which configs have it, the state-dict layouts (:func:`weight_layout`) its files come in). The
+#: tags are ``diffmm.list_pretrained()``'s for whole CLIPs; its ``timm`` tag (a timm ViT file) is this model's own
+#: layout, loaded under ``diffmm``
+WEIGHT_SOURCES = {
+    "diffmm": (lambda name: True, ("clip", "timm")),
+    "official": (lambda name: name.startswith("DiffCLIP"), ("clip",)),  # the official layout is diffmm's DiffCLIP
+    "open_clip": (lambda name: name.startswith("OpenCLIP-"), ("open_clip",)),
+}
+
+
+def tags_of(config_name: str) -> list[str]:
+    """The pretrained tags (weight sources) of a config's timm model, the default first."""
+    return [tag for tag, (has_tag, _) in WEIGHT_SOURCES.items() if has_tag(config_name)]
+
+
+def weight_layout(state_dict: dict) -> str:
+    """The layout of a state dict from its keys: ``'open_clip'`` (an open_clip CLIP), ``'clip'`` (a DiffCLIP of
+    diffmm or of the official code: the tower under ``visual.``) or ``'timm'`` (a timm ViT: this model's own keys,
+    or timm's fused ``qkv``)."""
+    if "visual.class_embedding" in state_dict or "visual.conv1.weight" in state_dict:
+        return "open_clip"
+    if "visual.patch_embed.proj.weight" in state_dict:
+        return "clip"
+    if "patch_embed.proj.weight" in state_dict:
+        return "timm"
+    raise KeyError("no visual.conv1.weight, visual.patch_embed.proj.weight or patch_embed.proj.weight: not a CLIP "
+                   "(open_clip, official DiffCLIP, diffmm) or timm ViT state dict")
+
+
+def checkpoint_filter(state_dict: dict, model: VisionTransformer) -> dict:
+    """timm's ``pretrained_filter_fn``: a local file's state dict (as timm read it: ``state_dict`` key taken,
+    ``module.`` stripped) -> this model's keys, then timm's ViT filter (position-embedding / patch resampling).
+
+    The layout must be one of the model's tag's (:data:`WEIGHT_SOURCES`), so the mean/std of the tag are those
+    the weights were trained with (an open_clip file under ``.official`` is an error).
+    """
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    tag, source = cfg.get("tag") or "diffmm", cfg.get("file") or "checkpoint"
+    try:
+        layout = weight_layout(state_dict)
+    except KeyError as e:
+        raise KeyError(f"{source}: {e.args[0]}") from None
+    if tag in WEIGHT_SOURCES and layout not in WEIGHT_SOURCES[tag][1]:
+        arch = cfg.get("architecture", "")
+        fits = [f"{arch}.{t}" for t in tags_of(_CONFIG_OF.get(arch, "")) if layout in WEIGHT_SOURCES[t][1]]
+        raise ValueError(f"{source}: {layout}-layout weights under the pretrained tag {tag!r}, which takes "
+                         f"{' or '.join(WEIGHT_SOURCES[tag][1])} layout; "
+                         + (f"load them as {' or '.join(fits)}" if fits else f"{arch} has no tag for them"))
+    if layout == "open_clip":
+        state_dict = diffmm_vit_to_timm(open_clip_to_diffmm(state_dict, source=source))
+    elif layout == "clip":
+        state_dict = diffmm_vit_to_timm(state_dict)
+    else:  # fused qkv (a standard timm ViT) splits into q/k/v; sub_norm (timm's DiffAttention) -> diff_norm
+        state_dict = timm_vit_to_diffmm(state_dict, prefix="", drop_head=False, source=source)
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear) or state_dict.get("head.weight", head.weight).shape != head.weight.shape:
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith("head.")}  # a head of another size
+    return checkpoint_filter_fn(state_dict, model)
+
+
 def create_timm_vit(config_name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
-    """The image tower of a diffmm config as a timm ``VisionTransformer`` (what ``timm.create_model(
-    timm_name(config_name))`` builds); ``attn_backend=`` sets the attention backend, other kwargs are timm's."""
+    """The image tower of a diffmm config as a timm ViT (what ``timm.create_model(timm_name(config_name))`` builds);
+    ``attn_backend=`` sets the attention backend, ``out_indices=`` the ``features_only`` maps (default: the last
+    3 blocks, timm's ViT default), other kwargs are timm's."""
     v = get_model_config(config_name).vision_cfg
-    backend = kwargs.pop("attn_backend", None)
-    model = build_model_with_cfg(VisionTransformer, timm_name(config_name), pretrained,
-                                 pretrained_filter_fn=checkpoint_filter_fn,
-                                 feature_cfg=dict(out_indices=3, feature_cls="getter"), **{**vit_kwargs(v), **kwargs})
-    return set_layer_depths(model, lambda_init=v.lambda_init, backend=backend)
+    if pretrained and not resolve_pretrained_cfg(timm_name(config_name), kwargs.get("pretrained_cfg"),
+                                                 kwargs.get("pretrained_cfg_overlay")).has_weights:
+        raise ValueError(f"{timm_name(config_name)}: no weights to download; give a local file with "
+                         f"pretrained_cfg_overlay=dict(file=PATH) (tags: {', '.join(tags_of(config_name))})")
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(build_vit, timm_name(config_name), pretrained,
+                                pretrained_filter_fn=checkpoint_filter,
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+                                **{**vit_kwargs(v), "lambda_init": v.lambda_init, **kwargs})
 
 
 def _entrypoint(config_name: str):
@@ -113,14 +201,20 @@ def _entrypoint(config_name: str):
     return create
 
 
-def _pretrained_cfg(config_name: str) -> dict:
+def _pretrained_cfg(config_name: str, tag: str) -> dict:
+    """timm's pretrained cfg of one weight source: official DiffCLIP weights were trained with ImageNet mean/std
+    (the official SLIP pipeline), open_clip's ViT weights with OpenAI CLIP's, diffmm's with its config's."""
     v = get_model_config(config_name).vision_cfg
+    mean, std = {"official": (IMAGENET_MEAN, IMAGENET_STD), "open_clip": (OPENAI_MEAN, OPENAI_STD)}.get(
+        tag, (v.mean, v.std))
     return dict(url="", num_classes=0, input_size=(3, v.image_size, v.image_size), pool_size=None, crop_pct=1.0,
-                interpolation="bicubic", mean=v.mean, std=v.std, first_conv="patch_embed.proj", classifier="head",
-                license="apache-2.0")
+                interpolation="bicubic", fixed_input_size=True, mean=mean, std=std, first_conv="patch_embed.proj",
+                classifier="head", license="apache-2.0")
 
 
 #: the configs registered with timm (DiffCLIP-dagger's image tower is DiffCLIP's)
 TIMM_CONFIGS = [name for name in list_models() if "-dagger-" not in name]
-default_cfgs = generate_default_cfgs({timm_name(n): _pretrained_cfg(n) for n in TIMM_CONFIGS})  # read by timm
+default_cfgs = generate_default_cfgs({  # read by timm; the first tag (diffmm) is the default
+    f"{timm_name(n)}.{tag}": _pretrained_cfg(n, tag) for n in TIMM_CONFIGS for tag in tags_of(n)})
+_CONFIG_OF = {timm_name(n): n for n in TIMM_CONFIGS}
 TIMM_MODELS = [register_model(_entrypoint(name)).__name__ for name in TIMM_CONFIGS]
