@@ -15,9 +15,8 @@ from diffmm.hub.tokenizer_files import CONFIG_FILE, TOKENIZER_FILE, load_folder_
 
 
 def load_tokenizer_spec(spec: str | os.PathLike):
-    """An LM tokenizer from a spec: a folder :func:`~diffmm.hub.tokenizer_files.save_tokenizer` wrote (its
-    ``tokenizer_config.json``), else what :func:`~diffmm.data.tokenizers.load_lm_tokenizer` reads (``clip``, a
-    tokenizer.json or a folder with one)."""
+    """An LM tokenizer from a spec: a folder :func:`~diffmm.hub.tokenizer_files.save_tokenizer` wrote (its ``tokenizer_config.json``), else
+    what :func:`~diffmm.data.tokenizers.load_lm_tokenizer` reads (``clip``, a tokenizer.json or a folder with one)."""
     spec = str(spec)
     if os.path.isfile(os.path.join(spec, CONFIG_FILE)):
         return load_folder_tokenizer(spec)
