@@ -21,8 +21,7 @@ from diffmm.hub.checkpoint import is_lightning_checkpoint
 from diffmm.hub.difflama import save_difflama
 from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.factory import create_model, has_weights, load_lightning, random_weights_message
-from diffmm.hub.tokenizer_files import save_tokenizer
-from diffmm.hub.tokenizer_source import load_tokenizer_spec, recorded_tokenizer
+from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer, save_tokenizer
 from diffmm.models.lm import DiffLM
 
 log = logging.getLogger("diffmm.hub")
