@@ -4,7 +4,8 @@
 function, and its flags and ``--help`` come from that function's signature and docstring (jsonargparse, as litgpt
 builds its command line): ``diffmm eval <task>`` and ``diffmm classify`` (:mod:`diffmm.eval.commands`), ``diffmm
 shards <tool>`` (:mod:`diffmm.data.shard_tools`, the demo dataset builders), ``diffmm export``
-(:func:`diffmm.hub.export.export`) and ``diffmm demo``. Flags are the parameter names (``--batch_size 8``,
+(:func:`diffmm.hub.export.export`) and ``diffmm demo``. ``diffmm eval lm-eval`` takes lm-eval's own arguments
+(:func:`diffmm.eval.harness.lm_eval_cli`). Flags are the parameter names (``--batch_size 8``,
 ``--progress false``, lists as ``--seq_len '[64,128]'``). Bad input ends with one ``diffmm <command>: error: ...``
 line and exit status 2.
 """
@@ -97,9 +98,18 @@ def build_parser() -> ArgumentParser:
 def parse(argv: list[str]) -> tuple[list[str], Callable, dict]:
     """``(command names, function, keyword arguments)`` of a command line (``argv`` without ``diffmm``).
 
+    ``diffmm eval lm-eval ARGS`` takes lm-eval's own arguments: lm-eval's parser checks them, and the function is
+    :func:`diffmm.eval.harness.lm_eval_cli` with ``argv=ARGS``.
+
     Raises:
         ArgumentError: a bad command line.
+        SystemExit: ``--help``, or bad lm-eval arguments (lm-eval's argparse).
     """
+    if argv[:2] == ["eval", "lm-eval"]:
+        from diffmm.eval.harness import check_lm_eval_args, lm_eval_cli  # lm-eval: optional, seconds to import
+
+        check_lm_eval_args(argv[2:])
+        return ["eval", "lm-eval"], lm_eval_cli, {"argv": argv[2:]}
     node, target, names = build_parser().parse_args(argv), COMMANDS, []
     while isinstance(target, dict):
         names.append(node["subcommand"])
