@@ -4,7 +4,8 @@
 function, and its flags and ``--help`` come from that function's signature and docstring (jsonargparse, as litgpt
 builds its command line): ``diffmm eval <task>`` and ``diffmm classify`` (:mod:`diffmm.eval.commands`), ``diffmm
 shards <tool>`` (:mod:`diffmm.data.shard_tools`, the demo dataset builders), ``diffmm export``
-(:func:`diffmm.hub.export.export`) and ``diffmm demo``. Flags are the parameter names (``--batch_size 8``,
+(:func:`diffmm.hub.export.export`) and ``diffmm demo``. ``diffmm eval lm-eval`` takes lm-eval's own arguments
+(:func:`diffmm.eval.harness.lm_eval_cli`). Flags are the parameter names (``--batch_size 8``,
 ``--progress false``, lists as ``--seq_len '[64,128]'``). Bad input ends with one ``diffmm <command>: error: ...``
 line and exit status 2.
 """
@@ -121,6 +122,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LIGHTNING_SUBCOMMANDS:
         return lightning_main(argv)
+    if argv[:2] == ["eval", "lm-eval"]:  # lm-eval's own arguments, passed through to its CLI
+        from diffmm.eval.harness import lm_eval_cli  # lm-eval: optional, and seconds to import
+
+        return lm_eval_cli(argv[2:])
     if not argv:
         print(build_parser().format_help())
         return 0

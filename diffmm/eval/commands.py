@@ -358,9 +358,13 @@ def icl(*, lm: str, train: str, tokenizer: Optional[str] = None, test: Optional[
 @shared_docs
 def lm_eval(*, lm: str, tasks: str, tokenizer: Optional[str] = None, include_path: Optional[str] = None,
             with_default_tasks: bool = False, num_fewshot: Optional[int] = None, limit: Optional[float] = None,
-            batch_size: int = 8, seed: int = 0, device: str = "auto", out: Optional[str] = None,
-            md: Optional[str] = None) -> dict:
-    """lm-evaluation-harness 0.4.x tasks on a diffmm LM (local YAML tasks included).
+            batch_size: str = "8", max_batch_size: int = 64, bootstrap_iters: int = 100000, seed: int = 0,
+            device: str = "auto", out: Optional[str] = None, md: Optional[str] = None) -> dict:
+    """lm-evaluation-harness 0.4.x tasks on a diffmm LM (local YAML tasks included); ARGS are lm-eval's own.
+
+    On the command line, ``diffmm eval lm-eval ARGS`` runs lm-eval's own CLI with lm-eval's arguments
+    (``--model_args pretrained=LM``, ``--tasks``, ``--include_path``, ``--batch_size``, ``--output_path``, ...;
+    ``--model diffmm`` by default; see ``diffmm eval lm-eval --help``). This function is the Python form.
 
     Args:
         tasks: task names, comma-separated.
@@ -368,18 +372,22 @@ def lm_eval(*, lm: str, tasks: str, tokenizer: Optional[str] = None, include_pat
         with_default_tasks: also index lm-eval's own tasks (with include_path).
         num_fewshot: few-shot examples per prompt (default: the task's).
         limit: examples per task (or a fraction below 1).
+        batch_size: sequences per forward, or auto / auto:N (lm-eval's: the largest that fits; see DiffmmLM).
+        max_batch_size: the largest batch auto tries.
+        bootstrap_iters: lm-eval's resamples for stderr (0: no stderr).
     """
     from diffmm.eval.harness import DiffmmLM, run_lm_eval  # lm-eval: optional, and seconds to import
 
     tok = lm_tokenizer(lm, tokenizer)
     net = load_lm(lm, vocab_size=tok.vocab_size, device=device, seed=seed)
-    res = run_lm_eval(DiffmmLM(net, tok, batch_size=batch_size), tasks.split(","), include_path=include_path,
-                      num_fewshot=num_fewshot, limit=limit, include_defaults=True if with_default_tasks else None)
-    rows = [[task, metric.split(",")[0], value] for task, metrics in res["results"].items()
-            for metric, value in metrics.items() if isinstance(value, (int, float)) and "stderr" not in metric
-            and not metric.startswith("sample_len")]
-    return report({"task": "lm_eval", "lm": lm, **res}, markdown_table(["task", "metric", "value"], rows, ".4f"),
-                  out, md)
+    res = run_lm_eval(DiffmmLM(net, tok, batch_size=batch_size, max_batch_size=max_batch_size), tasks.split(","),
+                      include_path=include_path, num_fewshot=num_fewshot, limit=limit, seed=seed,
+                      include_defaults=True if with_default_tasks else None, bootstrap_iters=bootstrap_iters)
+    rows = [[task, metric.split(",")[0], value, metrics.get(metric.replace(",", "_stderr,", 1), float("nan"))]
+            for task, metrics in res["results"].items() for metric, value in metrics.items()
+            if isinstance(value, (int, float)) and "stderr" not in metric and not metric.startswith("sample_len")]
+    return report({"task": "lm_eval", "lm": lm, **res},
+                  markdown_table(["task", "metric", "value", "stderr"], rows, ".4f"), out, md)
 
 
 # ---------------------------------------------------------------------------------------------------- pictures

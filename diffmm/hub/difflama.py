@@ -21,7 +21,9 @@ Layout differences handled here (E width, h differential heads, h_kv kv heads, d
 - Unsupported in both directions (one-line errors): biases, a non-SiLU MLP, RoPE scaling, standard attention.
 
 Files: a DiffLlama folder is ``config.json`` (``model_type: diffllama``) plus ``model.safetensors``
-or shards listed by ``model.safetensors.index.json``. ``diffmm.load_pretrained(folder)`` detects it.
+or shards listed by ``model.safetensors.index.json``. ``diffmm.load_pretrained(folder)`` detects it. An export
+with a tokenizer also holds its files (:func:`~diffmm.hub.tokenizer_files.save_tokenizer`), so
+``AutoTokenizer.from_pretrained(folder)`` and ``lm_eval --model hf --model_args pretrained=folder`` work on it.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffmm.hub.checkpoint import check_state_dict, load_state_file
+from diffmm.hub.tokenizer_files import folder_eos_id, save_tokenizer
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -232,12 +235,16 @@ def load_state_file_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor]
     return sd
 
 
-def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dtype] = None) -> Path:
+def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
+                  tokenizer=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` that ``DiffLlamaForCausalLM.from_pretrained(folder)`` loads.
 
     Args:
         model: a :class:`~diffmm.models.lm.DiffLM` with ``attention='diff'`` and depth lambda_init.
         dtype: cast floating tensors (default: keep).
+        tokenizer: the LM's tokenizer (what :func:`~diffmm.hub.tokenizer_files.save_tokenizer` takes: ``ClipBPE``,
+            ``TokenizerFile``, ``clip``, a tokenizer.json path); its files are written too, and its eos id goes
+            into ``config.json``.
     """
     cfg = model.config
     hf_config = lm_config_to_hf(cfg)
@@ -251,6 +258,9 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, folder, model_max_length=cfg.block_size)
+        hf_config["eos_token_id"] = folder_eos_id(folder)
     with open(folder / "config.json", "w") as f:
         json.dump(hf_config, f, indent=2)
     return folder

@@ -1,40 +1,55 @@
-"""``diffmm export``: write a diffmm export folder (``config.json`` + ``model.safetensors``) from any checkpoint.
+"""``diffmm export``: write an export folder (``config.json`` + ``model.safetensors``) from any checkpoint: diffmm's
+own format, or for an LM with differential attention the Hugging Face DiffLlama format (``--format difflama``).
+An LM's folder also holds its tokenizer files (:mod:`diffmm.hub.tokenizer_files`).
 
 Examples::
 
     diffmm export runs/diffclip-tiny-emoji/checkpoints/last.ckpt exports/diffclip-tiny
+    diffmm export runs/lm/checkpoints/last.ckpt exports/lm-difflama --format difflama
     diffmm export checkpoint_best.pt exports/diffclip-b16 --trust_pickle true
     diffmm export OpenCLIP-ViT-B-16 exports/openclip-b16 --pretrained open_clip_model.safetensors
 """
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
-from diffmm.hub.checkpoint import is_lightning_checkpoint
+from diffmm.data.tokenizers import load_lm_tokenizer
+from diffmm.hub.checkpoint import SAFE_GLOBALS, is_lightning_checkpoint, read_lightning
+from diffmm.hub.difflama import save_difflama
 from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.factory import create_model, has_weights, load_lightning, random_weights_message
+from diffmm.hub.tokenizer_files import TOKENIZER_FILE, load_folder_tokenizer, save_tokenizer
+from diffmm.models.lm import DiffLM
 
 log = logging.getLogger("diffmm.hub")
 
 
-def export(checkpoint: str, out: str, *, pretrained: Optional[str] = None, kind: Optional[Literal["clip", "lm"]] = None,
-           model: Optional[str] = None, model_config: Optional[str] = None, prefix: str = "model.",
+def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] = "diffmm",
+           tokenizer: Optional[str] = None, pretrained: Optional[str] = None,
+           kind: Optional[Literal["clip", "lm"]] = None, model: Optional[str] = None,
+           model_config: Optional[str] = None, prefix: str = "model.",
            dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None, trust_pickle: bool = False) -> Path:
-    """Write a diffmm export folder (config.json + model.safetensors) from a checkpoint; returns the folder.
+    """Write an export folder (config.json + model.safetensors, and an LM's tokenizer files) from a checkpoint.
 
     A Lightning checkpoint's model is rebuilt from the checkpoint (its saved model config, else its ``model_name`` /
     ``model_kwargs`` / ``swap`` hyper-parameters, or ``model`` / ``model_config``) and its ``model.*`` weights are
-    loaded strictly.
+    loaded strictly. An LM's tokenizer: ``tokenizer``, else the one the checkpoint records (the LM module's
+    ``tokenizer`` hyper-parameter, else the data module's), else an LM folder's own tokenizer files; without one
+    the folder has no tokenizer files (a warning says so).
 
     Args:
         checkpoint: a Lightning .ckpt from diffmm fit, any checkpoint diffmm.load_pretrained reads (official
             DiffCLIP with trust_pickle, open_clip files, local-dir: folders, ...), or a model name
             (diffmm.create_model's rule) with pretrained weights (without them: random weights, and a warning).
         out: the export folder to write.
+        format: diffmm (diffmm.load_pretrained reads it) or difflama (transformers' DiffLlamaForCausalLM, for an
+            LM with differential attention and depth lambda_init; diffmm.load_pretrained reads it too).
+        tokenizer: an LM's tokenizer: clip or a tokenizer.json (default: the one the checkpoint records).
         pretrained: weights for a model name given as checkpoint (any format diffmm loads).
         kind: the model kind of a Lightning checkpoint (default: told by its keys).
         model: the model config name of a Lightning checkpoint (default: its model_name).
@@ -55,6 +70,50 @@ def export(checkpoint: str, out: str, *, pretrained: Optional[str] = None, kind:
             log.warning(random_weights_message(checkpoint))
     if dtype:
         net = net.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
-    folder = save_export(net, out)
+    tok = _lm_tokenizer(checkpoint, tokenizer, trust_pickle) if isinstance(net, DiffLM) else None
+    if tokenizer is not None and not isinstance(net, DiffLM):
+        raise ValueError(f"{checkpoint}: --tokenizer is for LMs; this is a {type(net).__name__}")
+    if isinstance(net, DiffLM) and tok is None:
+        log.warning("%s: no tokenizer recorded; the export has no tokenizer files (pass --tokenizer clip or a "
+                    "tokenizer.json)", checkpoint)
+    if format == "difflama":
+        if not isinstance(net, DiffLM):
+            raise ValueError(f"{checkpoint}: --format difflama holds LMs; this is a {type(net).__name__}")
+        folder = save_difflama(net, out, tokenizer=tok)
+    elif format == "diffmm":
+        folder = save_export(net, out)
+        if tok is not None:
+            save_tokenizer(tok, folder, model_max_length=net.config.block_size)
+    else:
+        raise ValueError(f"format {format!r}; expected diffmm or difflama")
     print(f"wrote {folder}")
     return folder
+
+
+def _lm_tokenizer(checkpoint: str, tokenizer: Optional[str], trust_pickle: bool) -> Any:
+    """The tokenizer of an LM export: the flag, the Lightning checkpoint's recorded one or an LM folder's own."""
+    if tokenizer is not None:
+        return load_lm_tokenizer(tokenizer)
+    if is_lightning_checkpoint(checkpoint):
+        ckpt = _read_hparams(checkpoint, trust_pickle)
+        for where in ("hyper_parameters", "datamodule_hyper_parameters"):
+            spec = (ckpt.get(where) or {}).get("tokenizer")
+            if spec:
+                try:
+                    return load_lm_tokenizer(str(spec))
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"{checkpoint}: the recorded tokenizer ({where}.tokenizer) cannot be read: "
+                                     f"{e}; pass --tokenizer") from None
+        return None
+    if os.path.isfile(os.path.join(checkpoint, TOKENIZER_FILE)):
+        return load_folder_tokenizer(checkpoint)
+    return None
+
+
+def _read_hparams(path: str, trust_pickle: bool) -> dict:
+    """A Lightning checkpoint's dict, memory-mapped (the tensors stay on disk) when the file allows it."""
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    except Exception:  # an old (non-zip) file: read it as the loader does, with its one-line errors
+        return read_lightning(path, trust_pickle=trust_pickle)[2]
