@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from open_clip.tokenizer import SimpleTokenizer
+from tokenizers import Tokenizer
 
 from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer
 from diffmm.models.clip.tokenizer import CLIPTokenizer, clip_tokenizer_json

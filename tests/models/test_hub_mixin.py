@@ -222,3 +222,11 @@ def test_export_writes_the_save_pretrained_folder(tmp_path):
     assert diffmm_main(["export", ckpt, str(tmp_path / "lm_exported")]) == 0
     lm.save_pretrained(tmp_path / "lm_saved")
     assert_same_folder(tmp_path / "lm_exported", tmp_path / "lm_saved")
+
+    lm = DiffLM(LMConfig.from_name("diff-tiny", vocab_size=49408)).eval()  # with the tokenizer the module records
+    ckpt = _lightning_ckpt(tmp_path / "lm_tok.ckpt", lm, {"model_name": "diff-tiny", "tokenizer": "clip",
+                                                          "model_kwargs": {"vocab_size": 49408}})
+    assert diffmm_main(["export", ckpt, str(tmp_path / "lm_tok_exported")]) == 0
+    lm.save_pretrained(tmp_path / "lm_tok_saved", tokenizer=ClipBPE())
+    assert (tmp_path / "lm_tok_saved" / "tokenizer.json").is_file()
+    assert_same_folder(tmp_path / "lm_tok_exported", tmp_path / "lm_tok_saved")
