@@ -141,7 +141,8 @@ def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
     text = TextCfg(context_length=ctx, vocab_size=need("token_embedding.weight").shape[0], width=tw,
                    heads=max(tw // t_head, 1), layers=count(r"^transformer\.resblocks\.(\d+)\."),
                    mlp_ratio=c_fc.shape[0] / tw, attn_type="diff" if t_diff else "standard", lambda_init=lambda_init)
-    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=vision, text_cfg=text)
+    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=vision, text_cfg=text,
+                     init_logit_bias=float(sd["logit_bias"]) if "logit_bias" in sd else None)
     cfg.validate(source)
     return cfg
 
@@ -155,8 +156,6 @@ def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
     """
     oc = dict(oc.get("model_cfg", oc))
     quick_gelu = bool(oc.pop("quick_gelu", quick_gelu))
-    if oc.get("init_logit_bias") is not None:
-        raise ValueError(f"{source}: init_logit_bias (a SigLIP-style model) is not supported by diffmm's CLIP")
     v, t = dict(oc.get("vision_cfg", {})), dict(oc.get("text_cfg", {}))
     for key, cfg, name in (("timm_model_name", v, "vision_cfg"), ("hf_model_name", t, "text_cfg")):
         if cfg.get(key):
@@ -189,7 +188,8 @@ def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
                    width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
                    mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
     cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=vision, text_cfg=text,
-                     init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT))
+                     init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT),
+                     init_logit_bias=oc.get("init_logit_bias"))
     cfg.validate(source)
     return cfg
 
@@ -231,6 +231,7 @@ def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_
     oc = {
         "embed_dim": need("text_projection").shape[1],
         "quick_gelu": quick_gelu,
+        "init_logit_bias": float(sd["logit_bias"]) if "logit_bias" in sd else None,  # SigLIP-style bias
         "vision_cfg": {"image_size": grid * p, "patch_size": p, "width": vw, "head_width": head_width,
                        "layers": count("visual.transformer.resblocks."),
                        "mlp_ratio": need("visual.transformer.resblocks.0.mlp.c_fc.weight").shape[0] / vw,

@@ -41,6 +41,7 @@ from diffmm.hub.clip_formats import (CLIP_LAYOUTS, check_attention_types, clip_l
 from diffmm.hub.difflama import is_difflama_folder, load_difflama
 from diffmm.hub.diffmm_export import is_export_folder, load_export
 from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag
+from diffmm.hub.precision import check_precision, set_precision
 from diffmm.models.clip.config import CLIPConfig, UnknownModelError, get_model_config, list_models, load_config_file
 from diffmm.models.clip.hf_text import HFTokenizer
 from diffmm.models.clip.model import DiffCLIP
@@ -147,6 +148,15 @@ PRETRAINED_TAGS = {
 }
 
 
+#: tag -> the local files of that format, for the error on a tag given as ``pretrained=``
+PRETRAINED_FILES = {
+    "official": "checkpoint_best.pt with trust_pickle=True, or its state dict as .safetensors",
+    "open_clip": "open_clip_model.safetensors, open_clip_pytorch_model.bin or local-dir:FOLDER",
+    "timm": "a timm ViT state dict (.safetensors, .pth)",
+    "diffmm": "a Lightning .ckpt, a diffmm export folder or a torch.save(model.state_dict()) file",
+}
+
+
 def _tags_of(config_name: str) -> list[str]:
     if config_name.startswith("OpenCLIP-"):
         return ["open_clip", "timm", "diffmm"]
@@ -180,6 +190,23 @@ def describe_pretrained() -> dict[str, str]:
     return dict(PRETRAINED_TAGS)
 
 
+def check_pretrained_file(model_name: str, pretrained: str) -> None:
+    """A one-line ``FileNotFoundError`` when ``pretrained`` for the config ``model_name`` is no local file or folder:
+    a tag of :func:`list_pretrained` names a format (diffmm downloads nothing), so the error says which files it
+    means; any other word lists the model's tags."""
+    if pretrained.startswith(SAVED_PREFIXES) or os.path.exists(pretrained):
+        return
+    tags = _tags_of(model_name) if model_name in list_models() else list(PRETRAINED_TAGS)
+    if pretrained in tags:
+        raise FileNotFoundError(f"pretrained {pretrained!r} for {model_name}: diffmm downloads nothing; the tag names "
+                                f"a format of local files, so pass the file itself: {PRETRAINED_FILES[pretrained]}")
+    if os.sep in pretrained or pretrained.endswith(PATH_SUFFIXES) or (os.altsep and os.altsep in pretrained):
+        raise FileNotFoundError(f"pretrained {pretrained}: no such file or folder")
+    raise FileNotFoundError(f"pretrained {pretrained!r} for {model_name}: no such file, and not a tag; "
+                            f"list_pretrained() offers {model_name} with {', '.join(tags)} (formats of local files: "
+                            f"pass the file's path; describe_pretrained() says which)")
+
+
 # --------------------------------------------------------------------------------------------- create_model
 def create_model(model_name: str, pretrained: Optional[str] = None, *, device: Union[str, torch.device, None] = None,
                  precision: str = "fp32", output_dict: bool = False, trust_pickle: bool = False,
@@ -195,8 +222,10 @@ def create_model(model_name: str, pretrained: Optional[str] = None, *, device: U
             after converting to diffmm's layout (a timm ViT checkpoint initialises only the image tower); for
             ``open_clip:NAME`` also an open_clip hub tag (downloaded by open_clip). Official DiffCLIP files set the
             official preprocessing (ImageNet mean/std, the official tokenizer truncation) in the model's config.
-        device / precision: where (default: where it was built) and in which dtype (``fp32``, ``fp16``,
-            ``bf16``) the weights live.
+        device: where the weights live (default: where they were built).
+        precision: open_clip's names and meaning (:mod:`diffmm.hub.precision`): ``fp32``; ``fp16`` / ``bf16``
+            (mixed: Linear / Conv weights and projections low, norms, embeddings and scalars fp32);
+            ``pure_fp16`` / ``pure_bf16`` (everything); ``amp``, ``amp_bf16``, ``amp_bfloat16`` (fp32 weights).
         output_dict: ``forward`` returns a dict.
         trust_pickle: allow checkpoints that need full unpickling (the official ``checkpoint_best.pt``).
         swap: keyword arguments of :func:`diffmm.swap_attention` applied *after* the weights are loaded
@@ -205,20 +234,20 @@ def create_model(model_name: str, pretrained: Optional[str] = None, *, device: U
             ``swap={"init": "upcycle"}`` turns a pretrained CLIP into a DiffCLIP with the same outputs.
         overrides: config fields (top level) or ``vision_cfg=dict(...)`` / ``text_cfg=dict(...)`` merged in.
     """
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    if dtype is None:
-        raise ValueError(f"precision {precision!r}; expected fp32, fp16 or bf16")
+    check_precision(precision)
     kind = model_kind(model_name)
     if pretrained and kind in ("saved", "path"):
         raise ValueError(f"model {model_name!r} already holds weights; pretrained= ({pretrained!r}) is for config "
                          f"names and open_clip:NAME")
     if kind == "open_clip":
         model = _create_open_clip(model_name[len(OPEN_CLIP_PREFIX):], pretrained, trust_pickle=trust_pickle,
-                                  overrides=overrides)
+                                  overrides=overrides, precision=precision)
     elif kind in ("saved", "path"):
         model = _load_saved(model_name, trust_pickle=trust_pickle, overrides=overrides)
     else:
         cfg = get_model_config(model_name)
+        if pretrained:
+            check_pretrained_file(model_name, pretrained)  # before building: a tag is no file
         model = DiffCLIP(cfg.replace(**overrides) if overrides else cfg)
         if pretrained:
             load_pretrained_into(model, pretrained, trust_pickle=trust_pickle, keep=_preprocess_keys(overrides))
@@ -227,7 +256,9 @@ def create_model(model_name: str, pretrained: Optional[str] = None, *, device: U
     model.output_dict = output_dict
     if device is not None:
         model = model.to(device=device)
-    return model if dtype == torch.float32 else model.to(dtype=dtype)
+    if getattr(model, "diffmm_open_clip_precision", None) == precision:
+        return model  # open_clip's factory set it
+    return set_precision(model, precision)
 
 
 #: the keys of ``swap=`` (those of :func:`diffmm.swap_attention`; ``attention`` is its ``attn_type``)
@@ -289,7 +320,8 @@ def load_pretrained_into(model: nn.Module, pretrained: str, *, trust_pickle: boo
     return model
 
 
-def _create_open_clip(name: str, pretrained: Optional[str], *, trust_pickle: bool, overrides: dict) -> nn.Module:
+def _create_open_clip(name: str, pretrained: Optional[str], *, trust_pickle: bool, overrides: dict,
+                      precision: str = "fp32") -> nn.Module:
     """The model of ``open_clip:NAME`` (rule 2 of the module docstring) with ``pretrained`` loaded strictly."""
     tag_cfg: dict = {}
     if pretrained and not os.path.exists(pretrained) and not pretrained.startswith(SAVED_PREFIXES):
@@ -297,7 +329,8 @@ def _create_open_clip(name: str, pretrained: Optional[str], *, trust_pickle: boo
     cfg = diffclip_config(name)
     if cfg is None:  # open_clip builds it
         path = str(resolve_location(pretrained)) if pretrained else None
-        return create_native(name, path, trust_pickle=trust_pickle, overrides=overrides, tag_cfg=tag_cfg)
+        return create_native(name, path, trust_pickle=trust_pickle, overrides=overrides, tag_cfg=tag_cfg,
+                             precision=precision)
     if tag_cfg.get("mean") is not None:
         cfg.vision_cfg.image_mean, cfg.vision_cfg.image_std = tuple(tag_cfg["mean"]), tuple(tag_cfg["std"])
     model = DiffCLIP(cfg.replace(**overrides) if overrides else cfg)

@@ -68,8 +68,10 @@ def download_tag(name: str, tag: str) -> tuple[str, dict]:
 
 
 def create_native(name: str, path: Optional[str], *, trust_pickle: bool = False,
-                  overrides: Optional[dict[str, Any]] = None, tag_cfg: Optional[dict] = None) -> nn.Module:
-    """open_clip's own model of ``name`` with the weights of the local file ``path`` (strict)."""
+                  overrides: Optional[dict[str, Any]] = None, tag_cfg: Optional[dict] = None,
+                  precision: str = "fp32") -> nn.Module:
+    """open_clip's own model of ``name`` in open_clip's ``precision`` with the weights of the local file ``path``
+    (strict)."""
     import open_clip
 
     if overrides:
@@ -77,10 +79,10 @@ def create_native(name: str, path: Optional[str], *, trust_pickle: bool = False,
                          f"overrides ({', '.join(overrides)}) apply only to diffmm's CLIP models")
     tag_cfg = tag_cfg or {}
     pp = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if tag_cfg.get(k) is not None}
-    model = open_clip.create_model(name, force_preprocess_cfg=pp or None)
+    model = open_clip.create_model(name, precision=precision, force_preprocess_cfg=pp or None)
     if path:
         sd = read_state_dict(path, trust_pickle=trust_pickle)
         check_state_dict(sd, model.state_dict(), source=f"{path} (open_clip:{name})")
         model.load_state_dict(sd, strict=True)
-    model.diffmm_open_clip_name = name
+    model.diffmm_open_clip_name, model.diffmm_open_clip_precision = name, precision
     return model

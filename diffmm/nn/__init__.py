@@ -6,11 +6,11 @@ from diffmm.nn.factory import ATTENTION_LAYERS, create_attention, register_atten
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 from diffmm.nn.mlp import Mlp, QuickGELU, SwiGLU, create_act
-from diffmm.nn.norm import RMSNorm
+from diffmm.nn.norm import LayerNorm, RMSNorm
 from diffmm.nn.param_count import attention_param_report
 from diffmm.nn.rope import RotaryEmbedding, apply_rope, rotate_half
 
 __all__ = ["Attention", "DiffAttention", "ATTENTION_LAYERS", "create_attention", "register_attention", "KVCache",
            "DiffV2Attention", "attention_param_report",
-           "lambda_init_depth", "resolve_lambda_init", "Mlp", "QuickGELU", "SwiGLU", "create_act", "RMSNorm",
+           "lambda_init_depth", "resolve_lambda_init", "Mlp", "QuickGELU", "SwiGLU", "create_act", "LayerNorm", "RMSNorm",
            "RotaryEmbedding", "apply_rope", "rotate_half"]

@@ -1,4 +1,5 @@
-"""RMSNorm computed in fp32 (fp64 for fp64 inputs)."""
+"""RMSNorm computed in fp32 (fp64 for fp64 inputs); a LayerNorm that runs in its weights' dtype under mixed
+precision."""
 from __future__ import annotations
 
 import torch
@@ -29,3 +30,15 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that also takes inputs of another float dtype than its weights: it then normalises in the
+    weights' dtype and returns the input's (open_clip's ``LayerNormFp32`` under its mixed ``fp16`` / ``bf16``
+    precision, where norms keep fp32 weights and activations are low precision). Same dtype: plain LayerNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.layer_norm(x.to(self.weight.dtype), self.normalized_shape, self.weight, self.bias,
+                            self.eps).to(x.dtype)

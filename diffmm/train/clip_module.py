@@ -152,6 +152,9 @@ class CLIPModule(TrainModule):
         for attr in ("encode_image", "encode_text", "logit_scale"):
             if not hasattr(model, attr):
                 raise TypeError(f"CLIPModule: {type(model).__name__} has no {attr!r}; expected open_clip's model interface")
+        if getattr(model, "logit_bias", None) is not None:
+            raise ValueError("CLIPModule: the model has a logit_bias (init_logit_bias, a SigLIP-style model); its "
+                             "sigmoid loss is not implemented, only CLIP's contrastive loss")
         self.locked: dict[str, list[str]] = {}
         for tower, on, unlocked in (("text", lock_text, lock_text_unlocked), ("visual", lock_image, lock_image_unlocked)):
             if on:
@@ -229,7 +232,9 @@ class CLIPModule(TrainModule):
             img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
         else:
             img, txt, scale = out[0], out[1], out[2]
-        return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=100.0)
+        # forward returns open_clip's unclamped exp(logit_scale); DiffCLIP's cap is its config's logit_scale_max
+        cap = min(float(getattr(getattr(self.model, "config", None), "logit_scale_max", 100.0)), 100.0)
+        return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=cap)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, tokens = batch

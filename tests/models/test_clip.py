@@ -119,13 +119,14 @@ def test_forward_interface_and_logit_scale():
     img, txt = small_inputs()
     i, t, s = m(img, txt)
     assert i.shape == t.shape == (2, 128) and math.isclose(s.item(), 1 / 0.07, rel_tol=1e-5)
-    assert not torch.allclose(i.norm(dim=-1), torch.ones(2))  # not normalised in forward (as the official DiffCLIP)
+    torch.testing.assert_close(i.norm(dim=-1), torch.ones(2))  # normalised in forward (open_clip's convention)
     m.output_dict = True
-    out = m(img, txt, normalize=True)
-    torch.testing.assert_close(out["image_features"].norm(dim=-1), torch.ones(2))
+    out = m(img, txt, normalize=False)  # the raw features (as the official DiffCLIP's forward)
+    torch.testing.assert_close(out["image_features"], m.encode_image(img))
     with torch.no_grad():
         m.logit_scale.fill_(10.0)
-    assert m(img, txt)["logit_scale"].item() == 100.0
+    assert math.isclose(m(img, txt)["logit_scale"].item(), math.exp(10.0), rel_tol=1e-6)  # unclamped, as open_clip's forward
+    assert m.logit_scale_value().item() == 100.0  # diffmm's training and evaluation clamp
     assert m(image=img)["text_features"] is None
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import diffmm.models.upcycle  # noqa: F401  (registers the 'diff_upcycled' attention type)
-from diffmm.nn import create_act
+from diffmm.nn import LayerNorm, create_act
 
 
 class VisionBlock(nn.Module):
@@ -21,9 +21,9 @@ class VisionBlock(nn.Module):
     def __init__(self, width: int, attn: nn.Module, mlp_ratio: float, act: str, eps: float):
         super().__init__()
         hidden = int(width * mlp_ratio)
-        self.norm1 = nn.LayerNorm(width, eps=eps)
+        self.norm1 = LayerNorm(width, eps=eps)
         self.attn = attn
-        self.norm2 = nn.LayerNorm(width, eps=eps)
+        self.norm2 = LayerNorm(width, eps=eps)
         self.mlp = nn.Sequential()
         self.mlp.add_module("fc1", nn.Linear(width, hidden))
         self.mlp.add_module("act", create_act(act))
@@ -40,9 +40,9 @@ class TextBlock(nn.Module):
     def __init__(self, width: int, attn: nn.Module, mlp_ratio: float, act: str, eps: float):
         super().__init__()
         hidden = int(width * mlp_ratio)
-        self.ln_1 = nn.LayerNorm(width, eps=eps)
+        self.ln_1 = LayerNorm(width, eps=eps)
         self.attn = attn
-        self.ln_2 = nn.LayerNorm(width, eps=eps)
+        self.ln_2 = LayerNorm(width, eps=eps)
         self.mlp = nn.Sequential()
         self.mlp.add_module("c_fc", nn.Linear(width, hidden))
         self.mlp.add_module("act", create_act(act))

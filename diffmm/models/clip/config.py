@@ -136,7 +136,9 @@ class CLIPConfig:
     Attributes:
         embed_dim: joint embedding width.
         init_logit_scale: initial log of the logit scale, ln(1/0.07).
-        logit_scale_max: the scale ``forward`` returns is clamped at this (100).
+        init_logit_bias: initial logit bias (open_clip's SigLIP-style key; e.g. -10); None (default): no
+            ``logit_bias`` parameter, as open_clip's CLIP.
+        logit_scale_max: ``logit_scale_value()`` (diffmm's training and evaluation) clamps the scale at this (100).
         attn_backend: attention backend for every layer (None: ``DIFFMM_ATTN_BACKEND`` or automatic).
     """
 
@@ -144,6 +146,7 @@ class CLIPConfig:
     vision_cfg: VisionCfg = field(default_factory=VisionCfg)
     text_cfg: TextCfg = field(default_factory=TextCfg)
     init_logit_scale: float = LOGIT_SCALE_INIT
+    init_logit_bias: Optional[float] = None
     logit_scale_max: float = LOGIT_SCALE_MAX
     attn_backend: Optional[str] = None
 

@@ -1,5 +1,6 @@
 """DiffCLIP: a CLIP whose towers use differential (or any registered) attention, with open_clip's model
-interface (``encode_image``, ``encode_text``, ``logit_scale``, ``forward``, ``output_dict``).
+interface (``encode_image``, ``encode_text``, ``logit_scale``, ``logit_bias``, ``forward``, ``output_dict``,
+``get_logits``, ``visual.preprocess_cfg``) and open_clip's conventions for them.
 
 The state-dict layout is the official DiffCLIP checkpoint's (DiffCLIP, arXiv 2503.06626; code: github
 hammoudhasan/DiffCLIP): ``visual.*`` (timm-style ViT),
@@ -26,6 +27,7 @@ from diffmm.models.clip.preprocess import tokenizer_for
 from diffmm.models.clip.text import TextTransformer
 from diffmm.models.clip.vision import VisionTransformer
 from diffmm.models.hub_mixin import DiffmmHubMixin, save_tokenizer_object
+from diffmm.nn import LayerNorm
 
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -49,6 +51,9 @@ class DiffCLIP(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2503.
         self.visual = VisionTransformer(v, cfg.attn_backend)
         self.image_projection = nn.Parameter(torch.empty(v.width, cfg.embed_dim))
         self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
+        # open_clip's SigLIP-style bias added to the logits (config ``init_logit_bias``; None: a CLIP without one)
+        self.logit_bias = (nn.Parameter(torch.tensor(float(cfg.init_logit_bias)))
+                           if cfg.init_logit_bias is not None else None)
         if t.hf_model_name:  # pretrained weights, read now; init_weights leaves them alone
             self.text = HFTextTower(t, cfg.embed_dim, cfg.attn_backend)
             self.context_length, self.vocab_size = t.context_length, t.vocab_size
@@ -58,7 +63,7 @@ class DiffCLIP(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2503.
         self.token_embedding = nn.Embedding(t.vocab_size, t.width)
         self.positional_embedding = nn.Parameter(torch.empty(t.context_length, t.width))
         self.transformer = TextTransformer(t, cfg.attn_backend)
-        self.ln_final = nn.LayerNorm(t.width, eps=t.norm_eps)
+        self.ln_final = LayerNorm(t.width, eps=t.norm_eps)
         self.text_projection = nn.Parameter(torch.empty(t.width, cfg.embed_dim))
         self.init_weights()
 
@@ -122,11 +127,12 @@ class DiffCLIP(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2503.
 
     def no_weight_decay(self) -> set[str]:
         """Names of parameters excluded from weight decay beyond the 1-D ones (embeddings of positions)."""
-        return {"positional_embedding", "visual.pos_embed", "visual.cls_token", "logit_scale"}
+        return {"positional_embedding", "visual.pos_embed", "visual.cls_token", "logit_scale", "logit_bias"}
 
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
-        """images (B, 3, S, S) -> (B, embed_dim): pooled token ``@ image_projection``."""
-        x = self.visual(image) @ self.image_projection
+        """images (B, 3, S, S) -> (B, embed_dim): pooled token ``@ image_projection``. Images are cast to the
+        patch embedding's dtype (open_clip leaves that to the caller)."""
+        x = self.visual(image.to(self.visual.patch_embed.proj.weight.dtype)) @ self.image_projection
         return F.normalize(x, dim=-1) if normalize else x
 
     def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
@@ -136,35 +142,45 @@ class DiffCLIP(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2503.
         if hasattr(self, "text"):  # Hugging Face tower: pooled (mean or first token) -> proj
             x = self.text(text)
             return F.normalize(x, dim=-1) if normalize else x
-        L = text.shape[1]
-        x = self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, W)
+        L, dtype = text.shape[1], self.text_projection.dtype  # low precision under fp16 / bf16 (open_clip's cast)
+        x = self.token_embedding(text).to(dtype) + self.positional_embedding[:L].to(dtype)  # (B, L, W)
         x = self.ln_final(self.transformer(x))
         x = x[torch.arange(x.shape[0], device=x.device), text.argmax(dim=-1)]  # (B, W) EOT
         x = x @ self.text_projection
         return F.normalize(x, dim=-1) if normalize else x
 
     def logit_scale_value(self) -> torch.Tensor:
-        """``exp(logit_scale)`` clamped at ``config.logit_scale_max`` (100)."""
+        """``exp(logit_scale)`` clamped at ``config.logit_scale_max`` (100): the scale diffmm's training and
+        evaluation use (``forward`` / ``get_logits`` return open_clip's unclamped ``logit_scale.exp()``)."""
         return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
 
     def get_logits(self, image: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(image->text, text->image) logits of normalised features (open_clip's ``get_logits``)."""
+        """(image->text, text->image) logits of normalised features: ``logit_scale.exp() * img @ txt.T`` (+
+        ``logit_bias``), open_clip's ``get_logits``."""
         img, txt = self.encode_image(image, normalize=True), self.encode_text(text, normalize=True)
-        logits = self.logit_scale_value() * img @ txt.T
+        logits = self.logit_scale.exp() * img @ txt.T
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias
         return logits, logits.T
 
     def forward(self, image: Optional[torch.Tensor] = None, text: Optional[torch.Tensor] = None,
-                normalize: bool = False):
-        """Features of both towers and the clamped logit scale.
+                normalize: bool = True):
+        """open_clip's ``CLIP.forward``: L2-normalised features of the given towers (None for a missing one),
+        ``logit_scale.exp()`` and, when the model has one, ``logit_bias``; a dict with ``output_dict``, else a tuple
+        ``(image_features, text_features, logit_scale[, logit_bias])``.
 
-        Features are *not* normalised by default (as the official DiffCLIP model's ``forward``; note that
-        open_clip's ``CLIP.forward`` normalises): contrastive losses must normalise, or pass ``normalize=True``.
+        ``normalize=False`` (not in open_clip) returns the raw projected features, as the official DiffCLIP model.
         """
         img = self.encode_image(image, normalize=normalize) if image is not None else None
         txt = self.encode_text(text, normalize=normalize) if text is not None else None
-        scale = self.logit_scale_value()
+        scale = self.logit_scale.exp()
         if self.output_dict:
-            return {"image_features": img, "text_features": txt, "logit_scale": scale}
+            out = {"image_features": img, "text_features": txt, "logit_scale": scale}
+            if self.logit_bias is not None:
+                out["logit_bias"] = self.logit_bias
+            return out
+        if self.logit_bias is not None:
+            return img, txt, scale, self.logit_bias
         return img, txt, scale
 
     def extra_repr(self) -> str:

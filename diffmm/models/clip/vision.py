@@ -12,7 +12,10 @@ from torch.utils.checkpoint import checkpoint
 
 from diffmm.models.clip.blocks import VisionBlock
 from diffmm.models.clip.config import VisionCfg, layer_attn_types
-from diffmm.nn import create_attention
+from diffmm.nn import LayerNorm, create_attention
+
+#: the parts of open_clip's ``preprocess_cfg`` that diffmm's image transforms fix (``preprocess.image_transform``)
+PREPROCESS_FIXED = {"interpolation": "bicubic", "resize_mode": "shortest"}
 
 
 class PatchEmbed(nn.Module):
@@ -46,13 +49,13 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(cfg.image_size, cfg.patch_size, W, cfg.patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, W))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, W))
-        self.norm_pre = nn.LayerNorm(W, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
+        self.norm_pre = LayerNorm(W, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.blocks = nn.ModuleList([
             VisionBlock(W, create_attention(t, W, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init, causal=False,
                                             qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias, backend=attn_backend),
                         cfg.mlp_ratio, cfg.act, cfg.norm_eps)
             for i, t in enumerate(layer_attn_types(cfg))])
-        self.norm = nn.LayerNorm(W, eps=cfg.norm_eps)
+        self.norm = LayerNorm(W, eps=cfg.norm_eps)
         self.grad_checkpointing = False
         self.init_weights()
 
@@ -64,6 +67,27 @@ class VisionTransformer(nn.Module):
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
+
+    @property
+    def preprocess_cfg(self) -> dict:
+        """open_clip's ``visual.preprocess_cfg`` (what ``open_clip.get_model_preprocess_cfg`` reads), from the config:
+        size, RGB, mean / std (``image_mean`` / ``image_std``), bicubic, shortest-side resize, fill 0."""
+        return {"size": (self.cfg.image_size, self.cfg.image_size), "mode": "RGB", "mean": self.cfg.mean,
+                "std": self.cfg.std, "interpolation": PREPROCESS_FIXED["interpolation"],
+                "resize_mode": PREPROCESS_FIXED["resize_mode"], "fill_color": 0}
+
+    @preprocess_cfg.setter
+    def preprocess_cfg(self, value: dict) -> None:
+        """Take mean / std into the config (open_clip's ``set_model_preprocess_cfg``); other fields must be what
+        diffmm's transforms do."""
+        size = value.get("size", self.cfg.image_size)
+        if (tuple(size) if isinstance(size, (tuple, list)) else (size, size)) != (self.cfg.image_size,) * 2:
+            raise ValueError(f"preprocess_cfg size {size!r}; this model takes {self.cfg.image_size} px images")
+        for key, fixed in (("mode", "RGB"), *PREPROCESS_FIXED.items()):
+            if value.get(key, fixed) != fixed:
+                raise ValueError(f"preprocess_cfg {key} {value[key]!r}; diffmm's transforms use {fixed!r}")
+        self.cfg.image_mean = tuple(value["mean"]) if value.get("mean") is not None else None
+        self.cfg.image_std = tuple(value["std"]) if value.get("std") is not None else None
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """images (B, 3, S, S) -> normalised tokens (B, 1 + P, W), CLS first."""

@@ -1,0 +1,61 @@
+"""Model precision by open_clip's names, with open_clip's meaning (``create_model(precision=...)``).
+
+- ``fp32``, ``amp``, ``amp_bf16``, ``amp_bfloat16``: fp32 weights (the ``amp*`` names leave autocast to the caller).
+- ``fp16``, ``bf16``: mixed, as open_clip's: the weights and biases of every ``Linear`` / ``Conv`` and the two
+  projections (``image_projection``, ``text_projection``) in fp16 / bf16; norms, embeddings, CLS token, positions,
+  ``logit_scale`` / ``logit_bias`` and the lambda vectors stay fp32; LayerNorms then compute in fp32 and return the
+  low precision (:class:`diffmm.nn.LayerNorm`).
+- ``pure_fp16``, ``pure_bf16``: every parameter and buffer in fp16 / bf16.
+
+:func:`input_dtype` is open_clip's ``get_input_dtype`` (what images should be cast to; ``DiffCLIP.encode_image``
+casts them itself).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from diffmm.models.clip.model import DiffCLIP
+
+#: open_clip's precision names (its training CLI's ``--precision`` choices)
+PRECISIONS = ("fp32", "fp16", "bf16", "pure_fp16", "pure_bf16", "amp", "amp_bf16", "amp_bfloat16")
+_LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "pure_fp16": torch.float16, "pure_bf16": torch.bfloat16}
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else a one-line ``ValueError``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}; expected one of {', '.join(PRECISIONS)} (open_clip's names)")
+    return precision
+
+
+def input_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype inputs should have under ``precision`` (None: leave them), as open_clip's ``get_input_dtype``."""
+    return _LOW.get(check_precision(precision))
+
+
+def set_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Put ``model``'s weights in ``precision`` (see the module docstring); returns the model.
+
+    The mixed ``fp16`` / ``bf16`` applies to diffmm's ``DiffCLIP`` with its own text tower (open_clip's own models
+    get it from open_clip's factory); other models take ``pure_*`` or ``amp*``.
+    """
+    dtype = _LOW.get(check_precision(precision))
+    if dtype is None:
+        return model
+    if precision.startswith("pure_"):
+        return model.to(dtype=dtype)
+    if not isinstance(model, DiffCLIP) or hasattr(model, "text"):
+        what = "a Hugging Face text tower" if isinstance(model, DiffCLIP) else type(model).__name__
+        raise ValueError(f"precision {precision!r} (open_clip's mixed precision) is for DiffCLIP with its own text "
+                         f"tower, not {what}; use pure_{precision} or amp{'_bf16' if precision == 'bf16' else ''}")
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            module.weight.data = module.weight.data.to(dtype)
+            if module.bias is not None:
+                module.bias.data = module.bias.data.to(dtype)
+    for proj in (model.image_projection, model.text_projection):
+        proj.data = proj.data.to(dtype)
+    return model
