@@ -96,9 +96,18 @@ def build_parser() -> ArgumentParser:
 def parse(argv: list[str]) -> tuple[list[str], Callable, dict]:
     """``(command names, function, keyword arguments)`` of a command line (``argv`` without ``diffmm``).
 
+    ``diffmm eval lm-eval ARGS`` takes lm-eval's own arguments: lm-eval's parser checks them, and the function is
+    :func:`diffmm.eval.harness.lm_eval_cli` with ``argv=ARGS``.
+
     Raises:
         ArgumentError: a bad command line.
+        SystemExit: ``--help``, or bad lm-eval arguments (lm-eval's argparse).
     """
+    if argv[:2] == ["eval", "lm-eval"]:
+        from diffmm.eval.harness import check_lm_eval_args, lm_eval_cli  # lm-eval: optional, seconds to import
+
+        check_lm_eval_args(argv[2:])
+        return ["eval", "lm-eval"], lm_eval_cli, {"argv": argv[2:]}
     node, target, names = build_parser().parse_args(argv), COMMANDS, []
     while isinstance(target, dict):
         names.append(node["subcommand"])
@@ -122,10 +131,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LIGHTNING_SUBCOMMANDS:
         return lightning_main(argv)
-    if argv[:2] == ["eval", "lm-eval"]:  # lm-eval's own arguments, passed through to its CLI
-        from diffmm.eval.harness import lm_eval_cli  # lm-eval: optional, and seconds to import
-
-        return lm_eval_cli(argv[2:])
     if not argv:
         print(build_parser().format_help())
         return 0

@@ -30,6 +30,7 @@ try:  # lm-eval is optional (the diffmm 'eval' extra)
     import lm_eval.models  # noqa: F401
     from lm_eval import simple_evaluate
     from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
     from lm_eval.tasks import TaskManager
@@ -126,6 +127,7 @@ class DiffmmLM(LM or object):  # type: ignore[misc]
         self.model, self.tok = model.eval(), tokenizer
         self._device = model_device(model)
         self.fixed_batch, self.auto_times = parse_batch_size(batch_size)
+        self.batch_size_spec = str(batch_size)
         self.max_batch_size = int(max_batch_size or 64)
         self.batch_sizes: dict[int, int] = {}  # longest request length -> the batch size auto found for it
         self.max_length = int(max_length or context_limit(model) or 2048)
@@ -249,8 +251,39 @@ def run_lm_eval(lm: "DiffmmLM", tasks: list[str], *, include_path: Optional[str]
                               fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters)
     if res is None:
         raise EvalError("lm-eval returned no results")
+    config = {k: v for k, v in res.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}
+    if isinstance(lm, DiffmmLM):  # simple_evaluate records these only for a model given by name
+        config.update(batch_size=lm.batch_size_spec, batch_sizes=list(lm.batch_sizes.values()))
     return {"results": res["results"], "versions": res.get("versions", {}), "n-samples": res.get("n-samples", {}),
-            "config": {k: v for k, v in res.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}}
+            "config": config}
+
+
+def lm_eval_argv(argv: list[str]) -> list[str]:
+    """lm-eval's command line for ``diffmm eval lm-eval ARGS``: ``run`` unless ``ls`` / ``validate`` is named, and
+    ``--model diffmm`` unless ``--model`` is given; the rest unchanged."""
+    args = list(argv)
+    if not args or args[0] not in ("run", "ls", "validate"):
+        args = ["run", *args]
+    if args[0] == "run" and not any(a in ("--model", "-M") or a.startswith("--model=") for a in args[1:]):
+        args[1:1] = ["--model", "diffmm"]
+    return args
+
+
+def _with_argv(args: list[str], fn: Callable[[], Any]) -> Any:
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args]  # lm-eval's CLI reads sys.argv
+    try:
+        return fn()
+    finally:
+        sys.argv = saved
+
+
+def check_lm_eval_args(argv: list[str]) -> None:
+    """Parse ``diffmm eval lm-eval ARGS`` with lm-eval's own parser without running anything (SystemExit on
+    ``--help`` or bad arguments, as argparse does); without lm-eval nothing is checked (running then says what
+    to install)."""
+    if LM is not None:
+        _with_argv(lm_eval_argv(argv), lambda: HarnessCLI().parse_args())
 
 
 def lm_eval_cli(argv: list[str]) -> int:
@@ -258,17 +291,8 @@ def lm_eval_cli(argv: list[str]) -> int:
     ``diffmm`` registered and ``--model diffmm`` unless ``--model`` is given; ``ls`` / ``validate`` pass through
     too. Returns the exit status."""
     _require_lm_eval()
-    args = list(argv)
-    if not args or args[0] not in ("run", "ls", "validate"):
-        args = ["run", *args]
-    if args[0] == "run" and not any(a in ("--model", "-M") or a.startswith("--model=") for a in args[1:]):
-        args[1:1] = ["--model", "diffmm"]
-    saved = sys.argv
-    sys.argv = ["lm-eval", *args]
     try:
-        cli_evaluate()
+        _with_argv(lm_eval_argv(argv), cli_evaluate)
     except SystemExit as e:  # argparse's --help and usage errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:
-        sys.argv = saved
     return 0

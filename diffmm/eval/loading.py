@@ -3,7 +3,6 @@ its own preprocessing and tokenizer, or an LM and its tokenizer."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
 from diffmm.eval.common import EvalError, resolve_device
 from diffmm.hub.factory import create_model, has_weights, load_pretrained, random_weights_message
-from diffmm.hub.tokenizer_files import load_folder_tokenizer
+from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
 from diffmm.models.lm import DiffLM, LMConfig
 
@@ -61,10 +60,10 @@ def load_lm(lm: str, *, vocab_size: Optional[int] = None, block_size: Optional[i
 
 
 def lm_tokenizer(lm: str, tokenizer: Optional[str] = None) -> LMTokenizer:
-    """The tokenizer ``tokenizer`` names (``clip``, a ``tokenizer.json`` or a folder holding one); by default the
-    LM folder's (its tokenizer files, :func:`~diffmm.hub.tokenizer_files.load_folder_tokenizer`), else the CLIP BPE."""
-    if tokenizer is None:
-        tokenizer = lm if os.path.isfile(os.path.join(lm, "tokenizer.json")) else "clip"
-    if os.path.isfile(os.path.join(tokenizer, "tokenizer_config.json")):
-        return load_folder_tokenizer(tokenizer)
-    return load_lm_tokenizer(tokenizer)
+    """The tokenizer ``tokenizer`` names (``clip``, a ``tokenizer.json`` or a folder holding one); by default the one
+    the LM records (a Lightning checkpoint's ``tokenizer`` hyper-parameter, an LM folder's tokenizer files:
+    :func:`~diffmm.hub.tokenizer_files.recorded_tokenizer`), else the CLIP BPE."""
+    if tokenizer is not None:
+        return load_tokenizer_spec(tokenizer)
+    recorded = recorded_tokenizer(lm)
+    return load_lm_tokenizer("clip") if recorded is None else recorded

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
+from diffmm.data.tokenizers import load_lm_tokenizer
 from diffmm.hub.checkpoint import check_state_dict, load_state_file
 from diffmm.hub.tokenizer_files import folder_eos_id, save_tokenizer
 from diffmm.models.lm import DiffLM, LMConfig
@@ -248,6 +249,11 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     """
     cfg = model.config
     hf_config = lm_config_to_hf(cfg)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_lm_tokenizer(str(tokenizer))
+    n_tokens = getattr(tokenizer, "vocab_size", None)
+    if n_tokens is not None and n_tokens > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {n_tokens} tokens, more than the model's vocab_size {cfg.vocab_size}")
     sd = to_difflama({k: v.detach() for k, v in model.state_dict().items()}, cfg)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}

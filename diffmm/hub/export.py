@@ -12,18 +12,16 @@ Examples::
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
-from diffmm.data.tokenizers import load_lm_tokenizer
-from diffmm.hub.checkpoint import SAFE_GLOBALS, is_lightning_checkpoint, read_lightning
+from diffmm.hub.checkpoint import is_lightning_checkpoint
 from diffmm.hub.difflama import save_difflama
 from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.factory import create_model, has_weights, load_lightning, random_weights_message
-from diffmm.hub.tokenizer_files import TOKENIZER_FILE, load_folder_tokenizer
+from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer
 from diffmm.models.lm import DiffLM
 
 log = logging.getLogger("diffmm.hub")
@@ -70,9 +68,14 @@ def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] =
             log.warning(random_weights_message(checkpoint))
     if dtype:
         net = net.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
-    tok = _lm_tokenizer(checkpoint, tokenizer, trust_pickle) if isinstance(net, DiffLM) else None
+    tok = None
+    if isinstance(net, DiffLM):
+        tok = load_tokenizer_spec(tokenizer) if tokenizer else recorded_tokenizer(checkpoint, trust_pickle=trust_pickle)
     if tokenizer is not None and not isinstance(net, DiffLM):
         raise ValueError(f"{checkpoint}: --tokenizer is for LMs; this is a {type(net).__name__}")
+    if tok is not None and tok.vocab_size > net.config.vocab_size:
+        raise ValueError(f"{checkpoint}: the tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size "
+                         f"{net.config.vocab_size} (--tokenizer names another one)")
     if isinstance(net, DiffLM) and tok is None:
         log.warning("%s: no tokenizer recorded; the export has no tokenizer files (pass --tokenizer clip or a "
                     "tokenizer.json)", checkpoint)
@@ -86,32 +89,3 @@ def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] =
         raise ValueError(f"format {format!r}; expected diffmm or difflama")
     print(f"wrote {folder}")
     return folder
-
-
-def _lm_tokenizer(checkpoint: str, tokenizer: Optional[str], trust_pickle: bool) -> Any:
-    """The tokenizer of an LM export: the flag, the Lightning checkpoint's recorded one or an LM folder's own."""
-    if tokenizer is not None:
-        return load_lm_tokenizer(tokenizer)
-    if is_lightning_checkpoint(checkpoint):
-        ckpt = _read_hparams(checkpoint, trust_pickle)
-        for where in ("hyper_parameters", "datamodule_hyper_parameters"):
-            spec = (ckpt.get(where) or {}).get("tokenizer")
-            if spec:
-                try:
-                    return load_lm_tokenizer(str(spec))
-                except (OSError, ValueError) as e:
-                    raise ValueError(f"{checkpoint}: the recorded tokenizer ({where}.tokenizer) cannot be read: "
-                                     f"{e}; pass --tokenizer") from None
-        return None
-    if os.path.isfile(os.path.join(checkpoint, TOKENIZER_FILE)):
-        return load_folder_tokenizer(checkpoint)
-    return None
-
-
-def _read_hparams(path: str, trust_pickle: bool) -> dict:
-    """A Lightning checkpoint's dict, memory-mapped (the tensors stay on disk) when the file allows it."""
-    try:
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
-    except Exception:  # an old (non-zip) file: read it as the loader does, with its one-line errors
-        return read_lightning(path, trust_pickle=trust_pickle)[2]

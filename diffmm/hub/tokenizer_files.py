@@ -19,19 +19,23 @@ files that ``DiffLM`` / ``DiffCLIP.save_pretrained(folder, tokenizer=...)`` put 
 ``tokenizer_config.json`` names the eos token (lm-eval's ``--model hf`` uses it as end-of-text and as the prefix of
 an empty context, as the diffmm adapter does) and no bos token; its ``diffmm_tokenizer`` entry lets
 :func:`load_folder_tokenizer` rebuild diffmm's own tokenizer (``ClipBPE`` for ``clip-bpe``, so the exact open_clip
-cleaning is used in diffmm).
+cleaning is used in diffmm). :func:`recorded_tokenizer` finds an LM's tokenizer (a Lightning checkpoint's
+hyper-parameter, a folder's files) for exports and evaluations.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from open_clip.tokenizer import SimpleTokenizer
 from tokenizers import Tokenizer
 
 from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer
+from diffmm.hub.checkpoint import SAFE_GLOBALS, is_lightning_checkpoint, read_lightning
 from diffmm.models.clip.tokenizer import CLIPTokenizer, clip_tokenizer_json
 from diffmm.models.hub_mixin import (CLIP_BPE, CLIP_CAPTION, SPECIAL_TOKENS_FILE, TOKENIZER_FILE,  # noqa: F401
                                      TOKENIZER_JSON, write_tokenizer_files)
@@ -88,3 +92,42 @@ def folder_eos_id(folder: str | os.PathLike) -> int:
     if idx is None:
         raise ValueError(f"{folder / CONFIG_FILE}: eos_token {eos!r} is not in {folder / TOKENIZER_FILE}")
     return idx
+
+
+def load_tokenizer_spec(spec: str | os.PathLike):
+    """An LM tokenizer from a spec: a folder :func:`save_tokenizer` wrote (its ``tokenizer_config.json``), else
+    what :func:`~diffmm.data.tokenizers.load_lm_tokenizer` reads (``clip``, a tokenizer.json or a folder with one)."""
+    spec = str(spec)
+    if os.path.isfile(os.path.join(spec, CONFIG_FILE)):
+        return load_folder_tokenizer(spec)
+    return load_lm_tokenizer(spec)
+
+
+def recorded_tokenizer(source: str | os.PathLike, *, trust_pickle: bool = False) -> Any:
+    """The tokenizer an LM source records, or None: a Lightning checkpoint's ``tokenizer`` hyper-parameter (the LM
+    module's, else the data module's), an LM folder's own tokenizer files."""
+    source = str(source)
+    if is_lightning_checkpoint(source):
+        ckpt = _read_checkpoint(source, trust_pickle)
+        for where in ("hyper_parameters", "datamodule_hyper_parameters"):
+            spec = (ckpt.get(where) or {}).get("tokenizer")
+            if spec:
+                try:
+                    return load_tokenizer_spec(spec)
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"{source}: the recorded tokenizer ({where}.tokenizer) cannot be read: {e}; "
+                                     f"name one (--tokenizer)") from None
+        return None
+    if os.path.isfile(os.path.join(source, TOKENIZER_FILE)):
+        return load_tokenizer_spec(source)
+    return None
+
+
+def _read_checkpoint(path: str, trust_pickle: bool) -> dict:
+    """A Lightning checkpoint's dict, memory-mapped (the tensors stay on disk) when the file allows it."""
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    except (RuntimeError, ValueError, pickle.UnpicklingError):  # an old (non-zip) file, or one that needs
+        # trust_pickle: read it as the loader does, with its one-line errors
+        return read_lightning(path, trust_pickle=trust_pickle)[2]

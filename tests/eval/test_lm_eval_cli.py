@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import sys
-import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diffmm.cli import main as diffmm_main
+from diffmm.cli import parse
 from diffmm.data.tokenizers import ClipBPE
 from diffmm.hub.difflama import save_difflama
 from diffmm.models.lm import DiffLM, LMConfig
@@ -24,7 +25,7 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.__main__ import cli_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from diffmm.eval.harness import DiffmmLM, largest_batch, parse_batch_size  # noqa: E402
+from diffmm.eval.harness import DiffmmLM, largest_batch, lm_eval_argv, lm_eval_cli, parse_batch_size  # noqa: E402
 
 #: a multiple-choice task written for this test: (question, choices, answer index)
 QUESTIONS = [("The capital of France is", ["Paris", "London", "Rome"], 0),
@@ -122,6 +123,12 @@ def test_cli_passes_lm_eval_arguments_through(capsys):
     assert diffmm_main(["eval", "lm-eval", "--help"]) == 0
     out = capsys.readouterr().out
     assert all(flag in out for flag in ("--model_args", "--tasks", "--include_path", "--batch_size", "--output_path"))
+    args = ["--model_args", "pretrained=x", "--tasks", "a,b", "--batch_size", "auto"]
+    assert parse(["eval", "lm-eval", *args]) == (["eval", "lm-eval"], lm_eval_cli, {"argv": args})
+    assert lm_eval_argv(args) == ["run", "--model", "diffmm", *args]
+    assert lm_eval_argv(["run", "--model", "hf", *args]) == ["run", "--model", "hf", *args]
+    assert diffmm_main(["eval", "lm-eval", "--tasks", "a", "--lm", "x"]) == 2  # lm-eval's parser: no --lm
+    assert "unrecognized arguments: --lm x" in capsys.readouterr().err
 
 
 def test_batch_size_parsing_and_search():
@@ -139,6 +146,31 @@ def test_batch_size_parsing_and_search():
     assert largest_batch(fits, 64) == 8 and tried == [64, 32, 16, 8]
     with pytest.raises(ValueError):  # other errors are not "smaller"
         largest_batch(lambda b: (_ for _ in ()).throw(ValueError("shape")), 8)
+
+
+def test_auto_batch_size_searches_on_an_accelerator():
+    """The search path taken off CPU: the meta device stands in for a GPU whose memory holds 12 rows."""
+
+    class Bounded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, device="meta"))
+            self.calls = []
+
+        def forward(self, idx):
+            self.calls.append(tuple(idx.shape))
+            if idx.shape[0] > 12:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            return torch.zeros(*idx.shape, 50, device=idx.device)
+
+    class Tok:
+        eos_id = 0
+
+    model = Bounded()
+    lm = DiffmmLM(model, Tok(), batch_size="auto", max_batch_size=48, max_length=20)
+    assert lm._device.type == "meta"
+    assert lm.auto_batch_size(30) == 12 and model.calls == [(48, 20), (24, 20), (12, 20)]  # length capped at 20
+    assert lm.auto_batch_size(30) == 12 and len(model.calls) == 3  # found once per length
 
 
 def test_auto_batch_size_scores_like_a_fixed_one():
@@ -169,8 +201,23 @@ def test_entry_point_is_declared_and_resolves():
     placeholder; lm-eval's Registry materialises this one to DiffmmLM."""
     from lm_eval.api.registry import Registry
 
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    value = pyproject["project"]["entry-points"]["lm_eval.models"]["diffmm"]
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()  # (tomllib is Python >= 3.11)
+    value = re.search(r'\[project\.entry-points\."lm_eval\.models"\]\s*(?:#[^\n]*\n\s*)*diffmm = "([^"]+)"',
+                      pyproject).group(1)
+    assert value == "diffmm.eval.harness:DiffmmLM"
     registry = Registry("model")
     registry.register("diffmm", target=EntryPoint(name="diffmm", value=value, group="lm_eval.models"))
     assert registry.get("diffmm") is DiffmmLM
+
+
+def test_python_form_keeps_stderr_and_auto(tmp_path, local_task):
+    from diffmm.eval.commands import lm_eval
+
+    folder = tmp_path / "difflama"
+    _difflama_export(folder)
+    res = lm_eval(lm=str(folder), tasks="diffmm_toy_qa", include_path=local_task, batch_size="auto", device="cpu",
+                  out=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
+    metrics = json.loads((tmp_path / "r.json").read_text())["results"]["diffmm_toy_qa"]
+    assert metrics["acc_stderr,none"] > 0 and metrics == res["results"]["diffmm_toy_qa"]
+    assert f"{metrics['acc_stderr,none']:.4f}" in (tmp_path / "r.md").read_text()
+    assert res["config"]["batch_size"] == "auto" and res["config"]["batch_sizes"] == [64]  # CPU: max_batch_size

@@ -52,15 +52,20 @@ def test_tokenizer_from_datamodule_flag_and_missing(tmp_path, capsys, caplog):
     tj = train_byte_level_bpe([TEXT * 3, "the cat sat on the mat"] * 20, str(tmp_path / "tok" / "tokenizer.json"),
                               vocab_size=300, eos_token="<|endoftext|>")
     kw = {**KWARGS, "vocab_size": 320}
-    ckpt, model = _lm_ckpt(tmp_path / "a.ckpt", {"model_name": "diff-tiny", "model_kwargs": kw, "tokenizer": None},
+    ckpt, _ = _lm_ckpt(tmp_path / "a.ckpt", {"model_name": "diff-tiny", "model_kwargs": kw, "tokenizer": None},
                            datamodule_hyper_parameters={"tokenizer": tj.path})
+    assert lm_tokenizer(ckpt).encode(TEXT) == tj.encode(TEXT)  # evaluations of the checkpoint use it too
     assert diffmm_main(["export", ckpt, str(tmp_path / "a"), "--format", "difflama"]) == 0
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "a")(TEXT)["input_ids"] == tj.encode(TEXT)
     assert isinstance(lm_tokenizer(str(tmp_path / "a")), TokenizerFile)
-    # the diffmm format carries it too; --tokenizer overrides what the checkpoint records
-    assert diffmm_main(["export", ckpt, str(tmp_path / "b"), "--tokenizer", "clip"]) == 0
-    assert json.loads((tmp_path / "b" / "tokenizer_config.json").read_text())["diffmm_tokenizer"] == "clip-bpe"
+    # the diffmm format carries it too
+    assert diffmm_main(["export", ckpt, str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "tokenizer_config.json").read_text())["diffmm_tokenizer"] == "tokenizer.json"
+    assert lm_tokenizer(str(tmp_path / "b")).encode(TEXT) == tj.encode(TEXT)
     assert diffmm.load_pretrained(tmp_path / "b").config.vocab_size == 320
+    # --tokenizer overrides what the checkpoint records; one with more tokens than the model is refused
+    assert diffmm_main(["export", ckpt, str(tmp_path / "e"), "--tokenizer", "clip"]) == 2
+    assert "49408 tokens, more than the model's vocab_size 320" in capsys.readouterr().err
     # a recorded tokenizer that is gone is one error naming it
     ckpt2, _ = _lm_ckpt(tmp_path / "c.ckpt", {"model_name": "diff-tiny", "model_kwargs": kw,
                                               "tokenizer": str(tmp_path / "gone.json")})
