@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from typing import Iterable, Protocol
 
 from open_clip.tokenizer import SimpleTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from diffmm.models.clip.tokenizer import clip_tokenizer_json
+from diffmm.models.hub_mixin import CLIP_BPE, TOKENIZER_JSON, write_tokenizer_files
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
@@ -31,6 +35,12 @@ class ClipBPE(SimpleTokenizer):
         super().__init__()
         self.vocab_size = len(self.encoder)
         self.eos_id = self.eot_token_id
+
+    def save_pretrained(self, folder: str | os.PathLike, model_max_length: int | None = None) -> list[Path]:
+        """Tokenizer files ``transformers.AutoTokenizer`` loads with these ids (no special tokens added, eos named;
+        :func:`~diffmm.models.clip.tokenizer.clip_tokenizer_json` says what of open_clip's cleaning differs)."""
+        return write_tokenizer_files(clip_tokenizer_json(self), folder, kind=CLIP_BPE,
+                                     eos=self.decoder[self.eos_id], model_max_length=model_max_length)
 
 
 class TokenizerFile:
@@ -65,6 +75,16 @@ class TokenizerFile:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
         return self._tok.decode(ids)
+
+    def save_pretrained(self, folder: str | os.PathLike, model_max_length: int | None = None) -> list[Path]:
+        """Tokenizer files ``transformers.AutoTokenizer`` loads with these ids: this ``tokenizer.json`` without a
+        post-processor that adds tokens (``encode`` adds none, and the LM was trained on that), eos named."""
+        tok = Tokenizer.from_file(self.path)
+        probe = "a b"
+        if tok.encode(probe, add_special_tokens=True).ids != tok.encode(probe, add_special_tokens=False).ids:
+            tok.post_processor = None
+        return write_tokenizer_files(tok, folder, kind=TOKENIZER_JSON, eos=self.eos_token,
+                                     model_max_length=model_max_length)
 
 
 def train_byte_level_bpe(texts: Iterable[str], out_path: str, vocab_size: int = 8192,

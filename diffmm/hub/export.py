@@ -21,7 +21,7 @@ from diffmm.hub.checkpoint import is_lightning_checkpoint
 from diffmm.hub.difflama import save_difflama
 from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.factory import create_model, has_weights, load_lightning, random_weights_message
-from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer, save_tokenizer
+from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer
 from diffmm.models.lm import DiffLM
 
 log = logging.getLogger("diffmm.hub")
@@ -84,9 +84,7 @@ def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] =
             raise ValueError(f"{checkpoint}: --format difflama holds LMs; this is a {type(net).__name__}")
         folder = save_difflama(net, out, tokenizer=tok)
     elif format == "diffmm":
-        folder = save_export(net, out)
-        if tok is not None:
-            save_tokenizer(tok, folder, model_max_length=net.config.block_size)
+        folder = save_export(net, out, tokenizer=tok)  # the model's save_pretrained folder, tokenizer included
     else:
         raise ValueError(f"format {format!r}; expected diffmm or difflama")
     print(f"wrote {folder}")

@@ -1,20 +1,18 @@
 """The tokenizer files of an export folder, so ``transformers.AutoTokenizer.from_pretrained(folder)`` works as is.
 
 :func:`save_tokenizer` writes ``tokenizer.json`` (a ``tokenizers`` pipeline), ``tokenizer_config.json`` and
-``special_tokens_map.json`` for the tokenizers diffmm uses:
+``special_tokens_map.json`` for the tokenizers diffmm uses, each of which writes itself (``save_pretrained``, the same
+files that ``DiffLM`` / ``DiffCLIP.save_pretrained(folder, tokenizer=...)`` put in a folder):
 
 - :class:`~diffmm.data.tokenizers.ClipBPE` (an LM on the CLIP BPE) and open_clip's ``SimpleTokenizer`` / diffmm's
   caption :class:`~diffmm.models.clip.tokenizer.CLIPTokenizer`: the same vocabulary and merges, open_clip's split
-  pattern, byte-level symbols and the ``</w>`` end-of-word suffix. open_clip's cleaning (``ftfy.fix_text``, HTML
-  unescaping twice, whitespace collapsing, lower-casing) becomes normalizers: ftfy's context-free fixes (control
-  characters, Latin ligatures, character width, curly quotes, NFC), :data:`HTML_ENTITIES` (common named ones,
-  numeric ASCII ones), whitespace and lower-casing (with ``str.lower``'s final sigma: a capital sigma after a letter
-  and before none). Not reproduced: ftfy's mojibake repair (``fix_encoding``, a heuristic), other entities (non-ASCII
-  numeric ones, entities nested three deep, which ftfy's own unescaping reaches when a text has no ``<``). Text
-  without those gets open_clip's ids: 510 of the 514 Python 3.11 doc sources (2.9 M tokens) do, the 4 others
-  being pages about HTML entities and codecs (tests/hub/test_tokenizer_files.py compares on such documents). An LM
-  tokenizer adds no special tokens (as ``ClipBPE.encode``); a caption tokenizer adds ``<start_of_text>`` ...
-  ``<end_of_text>`` (as open_clip's ``__call__``, without its padding to the context length).
+  pattern, byte-level symbols and the ``</w>`` end-of-word suffix
+  (:func:`~diffmm.models.clip.tokenizer.clip_tokenizer_json`). open_clip's cleaning becomes normalizers
+  (:func:`~diffmm.models.clip.tokenizer.clip_normalizer` says what is not reproduced: ftfy's mojibake repair, rare
+  entities). Text without those gets open_clip's ids: 510 of the 514 Python 3.11 doc sources (2.9 M tokens) do, the
+  4 others being pages about HTML entities and codecs (tests/hub/test_tokenizer_files.py compares on such
+  documents). An LM tokenizer adds no special tokens (as ``ClipBPE.encode``); a caption tokenizer adds
+  ``<start_of_text>`` ... ``<end_of_text>`` (as open_clip's ``__call__``, without its padding to the context length).
 - :class:`~diffmm.data.tokenizers.TokenizerFile`: its ``tokenizer.json``; a post-processor that adds tokens is
   dropped, because diffmm's ``encode`` (what the LM was trained on) adds none.
 
@@ -33,74 +31,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from ftfy import chardata
 from open_clip.tokenizer import SimpleTokenizer
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
 from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer
 from diffmm.hub.checkpoint import SAFE_GLOBALS, is_lightning_checkpoint, read_lightning
-
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-SPECIAL_TOKENS_FILE = "special_tokens_map.json"
-#: ``diffmm_tokenizer`` values of tokenizer_config.json
-CLIP_BPE, CLIP_CAPTION, TOKENIZER_JSON = "clip-bpe", "clip-caption", "tokenizer.json"
-#: open_clip's word pattern (case-insensitive, as open_clip compiles it) without its special-token alternatives
-CLIP_SPLIT = r"""(?i)'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
-#: named HTML entities unescaped as open_clip's ``html.unescape`` does (``&amp;`` last, applied twice)
-HTML_ENTITIES = {"&lt;": "<", "&gt;": ">", "&quot;": '"', "&apos;": "'", "&nbsp;": "\u00a0",
-                 **{f"&#{c};": chr(c) for c in range(32, 127) if c != 38},
-                 **{f"&#{x}{c:{h}};": chr(c) for c in range(32, 127) if c != 38 for x in "xX" for h in "xX"},
-                 "&#38;": "&", "&#x26;": "&", "&#X26;": "&", "&amp;": "&"}
-
-
-def _clip_normalizer() -> normalizers.Normalizer:
-    """open_clip's ``_clean_lower`` as ``tokenizers`` normalizers (see the module docstring for what differs)."""
-    # ftfy's tables (ftfy comes with open_clip): control characters, Latin ligatures, width forms, curly quotes
-    control_class = "".join(f"\\x{{{c:x}}}" for c in sorted(chardata.CONTROL_CHARS))
-    steps = [normalizers.Replace(Regex(f"[{control_class}]"), "")]
-    steps += [normalizers.Replace(chr(c), s) for c, s in sorted(chardata.LIGATURES.items())]
-    steps += [normalizers.Replace(chr(c), s) for c, s in sorted(chardata.WIDTH_MAP.items())]
-    steps += [normalizers.Replace(Regex(chardata.SINGLE_QUOTE_RE.pattern), "'"),
-              normalizers.Replace(Regex(chardata.DOUBLE_QUOTE_RE.pattern), '"'), normalizers.NFC()]
-    for _ in range(2):  # html.unescape(html.unescape(text))
-        steps += [normalizers.Replace(k, v) for k, v in HTML_ENTITIES.items()]
-    steps += [normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip(),
-              normalizers.Replace(Regex(r"(?<=\p{L})Σ(?!\p{L})"), "ς"),  # str.lower's final sigma
-              normalizers.Lowercase()]
-    return normalizers.Sequence(steps)
-
-
-def clip_tokenizer_json(bpe, *, add_special_tokens: bool = False) -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` with the ids of open_clip's ``SimpleTokenizer`` ``bpe`` (``ClipBPE`` included).
-
-    Args:
-        bpe: the open_clip tokenizer (its ``encoder`` vocabulary and ``bpe_ranks`` merges).
-        add_special_tokens: add ``<start_of_text>`` / ``<end_of_text>`` around a text (captions); off for LMs.
-    """
-    merges = [pair for pair, _ in sorted(bpe.bpe_ranks.items(), key=lambda kv: kv[1])]
-    tok = Tokenizer(models.BPE(vocab=dict(bpe.encoder), merges=merges, end_of_word_suffix="</w>"))
-    specials = [bpe.decoder[i] for i in bpe.all_special_ids]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tok.normalizer = _clip_normalizer()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(CLIP_SPLIT), behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    if add_special_tokens:
-        sot, eot = bpe.decoder[bpe.sot_token_id], bpe.decoder[bpe.eot_token_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{sot} $A {eot}", pair=f"{sot} $A {eot} $B:1 {eot}:1",
-            special_tokens=[(sot, bpe.sot_token_id), (eot, bpe.eot_token_id)])
-    return tok
-
-
-def _without_added_tokens(tok: Tokenizer) -> Tokenizer:
-    """``tok`` without a post-processor when it adds tokens (diffmm's ``encode`` adds none)."""
-    probe = "a b"
-    if tok.encode(probe, add_special_tokens=True).ids != tok.encode(probe, add_special_tokens=False).ids:
-        tok.post_processor = None
-    return tok
+from diffmm.models.clip.tokenizer import CLIPTokenizer, clip_tokenizer_json
+from diffmm.models.hub_mixin import (CLIP_BPE, CLIP_CAPTION, SPECIAL_TOKENS_FILE, TOKENIZER_FILE,  # noqa: F401
+                                     TOKENIZER_JSON, write_tokenizer_files)
+from diffmm.models.hub_mixin import TOKENIZER_CONFIG_FILE as CONFIG_FILE
 
 
 def save_tokenizer(tokenizer, folder: str | os.PathLike, *, model_max_length: Optional[int] = None) -> list[Path]:
@@ -117,31 +56,15 @@ def save_tokenizer(tokenizer, folder: str | os.PathLike, *, model_max_length: Op
     """
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_lm_tokenizer(str(tokenizer))
-    if isinstance(tokenizer, ClipBPE):
-        tok, kind, eos, bos = clip_tokenizer_json(tokenizer), CLIP_BPE, tokenizer.decoder[tokenizer.eos_id], None
-    elif isinstance(getattr(tokenizer, "bpe", None), SimpleTokenizer) or isinstance(tokenizer, SimpleTokenizer):
-        bpe = getattr(tokenizer, "bpe", tokenizer)  # diffmm's caption CLIPTokenizer holds open_clip's as .bpe
-        tok, kind = clip_tokenizer_json(bpe, add_special_tokens=True), CLIP_CAPTION
-        eos, bos = bpe.decoder[bpe.eot_token_id], bpe.decoder[bpe.sot_token_id]
-        model_max_length = model_max_length or getattr(tokenizer, "context_length", None)
-    elif isinstance(tokenizer, TokenizerFile):
-        tok = _without_added_tokens(Tokenizer.from_file(tokenizer.path))
-        kind, eos, bos = TOKENIZER_JSON, tokenizer.eos_token, None
-    else:
-        raise TypeError(f"save_tokenizer: no tokenizer files for {type(tokenizer).__name__}; expected ClipBPE, "
-                        f"TokenizerFile, open_clip's SimpleTokenizer or diffmm's CLIPTokenizer")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / TOKENIZER_FILE))
-    special = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False,
-              "model_max_length": int(model_max_length) if model_max_length else int(1e30),
-              "diffmm_tokenizer": kind}
-    if kind == CLIP_CAPTION:
-        config["pad_token"] = eos  # open_clip pads with 0; transformers needs a named token for padding=True
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=2) + "\n")
-    return [folder / TOKENIZER_FILE, folder / CONFIG_FILE, folder / SPECIAL_TOKENS_FILE]
+    if isinstance(tokenizer, (ClipBPE, TokenizerFile, CLIPTokenizer)):
+        return tokenizer.save_pretrained(folder, model_max_length=model_max_length)
+    if isinstance(tokenizer, SimpleTokenizer):  # open_clip's own caption tokenizer
+        eos, bos = tokenizer.decoder[tokenizer.eot_token_id], tokenizer.decoder[tokenizer.sot_token_id]
+        return write_tokenizer_files(clip_tokenizer_json(tokenizer, add_special_tokens=True), folder,
+                                     kind=CLIP_CAPTION, eos=eos, bos=bos, pad=eos,
+                                     model_max_length=model_max_length or tokenizer.context_length)
+    raise TypeError(f"save_tokenizer: no tokenizer files for {type(tokenizer).__name__}; expected ClipBPE, "
+                    f"TokenizerFile, open_clip's SimpleTokenizer or diffmm's CLIPTokenizer")
 
 
 def load_folder_tokenizer(folder: str | os.PathLike):

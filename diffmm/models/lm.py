@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.models.hub_mixin import DiffmmHubMixin, save_tokenizer_object
 from diffmm.models.lm_configs import LM_CONFIGS
 from diffmm.nn import ATTENTION_LAYERS, KVCache, RMSNorm, RotaryEmbedding, SwiGLU, create_attention
 
@@ -147,12 +149,28 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DiffLM(nn.Module):
+class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05258", pipeline_tag="text-generation"):
     """Decoder-only LM with differential (or standard) attention.
 
     Parameters: ``wte`` (token embedding), ``blocks.{i}.{attn_norm, attn, mlp_norm, mlp}``, ``norm``
     (final RMSNorm), ``lm_head`` (shares ``wte.weight`` when ``tie_embeddings``).
+
+    ``save_pretrained(folder, tokenizer=...)`` / ``from_pretrained`` / ``push_to_hub``: diffmm's export folder
+    (:mod:`diffmm.models.hub_mixin`); the tokenizer is written only when given.
     """
+
+    export_kind = "lm"
+    card_description = "a decoder-only language model with differential or standard attention"
+
+    @classmethod
+    def config_from_dict(cls, config: dict[str, Any], *, source: str) -> LMConfig:
+        return LMConfig.from_dict(config, source=source)
+
+    def write_tokenizer(self, folder: Path, tokenizer: Any) -> None:
+        """``tokenizer`` (diffmm's ``ClipBPE`` / ``TokenizerFile``, or a transformers tokenizer), if given;
+        ``model_max_length`` = ``block_size`` for diffmm's."""
+        if tokenizer is not None:
+            save_tokenizer_object(tokenizer, folder, model_max_length=self.config.block_size)
 
     def __init__(self, config: LMConfig):
         super().__init__()

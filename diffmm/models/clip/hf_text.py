@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -101,6 +102,12 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def save_pretrained(self, folder: Union[str, os.PathLike], model_max_length: Optional[int] = None) -> tuple:
+        """The encoder's tokenizer files (``transformers.AutoTokenizer`` loads them), ``model_max_length`` = the
+        context length, so ``padding="max_length", truncation=True`` gives this tokenizer's ids."""
+        self.tokenizer.model_max_length = model_max_length or self.context_length
+        return self.tokenizer.save_pretrained(str(folder))
 
 
 class HFTextTower(nn.Module):

@@ -8,10 +8,14 @@ hammoudhasan/DiffCLIP): ``visual.*`` (timm-style ViT),
 ``transformer.resblocks.*``, ``ln_final``, ``text_projection``) and ``logit_scale``. A Hugging Face text tower
 (``text_cfg.hf_model_name``) sits under ``text.*`` instead (``text.transformer.*``, ``text.proj``), as in open_clip's
 ``CustomTextCLIP``.
+
+``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` (:mod:`diffmm.models.hub_mixin`) write and read diffmm's
+export folder with the caption tokenizer in it.
 """
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -19,20 +23,26 @@ import torch.nn.functional as F
 
 from diffmm.models.clip.config import CLIPConfig
 from diffmm.models.clip.hf_text import HFTextTower
+from diffmm.models.clip.preprocess import tokenizer_for
 from diffmm.models.clip.text import TextTransformer
 from diffmm.models.clip.vision import VisionTransformer
+from diffmm.models.hub_mixin import DiffmmHubMixin, save_tokenizer_object
 from diffmm.nn import LayerNorm
 
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-class DiffCLIP(nn.Module):
+class DiffCLIP(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2503.06626", tags=["clip"],
+               pipeline_tag="zero-shot-image-classification"):
     """Contrastive image-text model.
 
     Args:
         cfg: :class:`CLIPConfig` (towers, embed_dim, logit scale).
         output_dict: ``forward`` returns a dict instead of a tuple (open_clip's flag).
     """
+
+    export_kind = "clip"
+    card_description = "a CLIP whose towers use differential or standard attention"
 
     def __init__(self, cfg: CLIPConfig, output_dict: bool = False):
         super().__init__()
@@ -92,6 +102,17 @@ class DiffCLIP(nn.Module):
             nn.init.normal_(blk.mlp.c_fc.weight, std=fc_std)
             nn.init.normal_(blk.mlp.c_proj.weight, std=proj_std)
         nn.init.normal_(self.text_projection, std=t.width ** -0.5)
+
+    # Hugging Face hub (save_pretrained / from_pretrained / push_to_hub) ------------------------------------------
+    @classmethod
+    def config_from_dict(cls, config: dict[str, Any], *, source: str) -> CLIPConfig:
+        return CLIPConfig.from_dict(config, source=source)
+
+    def write_tokenizer(self, folder: Path, tokenizer: Any) -> None:
+        """The caption tokenizer (default: the model's own, :func:`~diffmm.models.clip.preprocess.tokenizer_for`:
+        the CLIP BPE, or a Hugging Face tower's tokenizer), ``model_max_length`` = the context length."""
+        tokenizer = tokenizer if tokenizer is not None else tokenizer_for(self)
+        save_tokenizer_object(tokenizer, folder, model_max_length=self.context_length)
 
     # open_clip-compatible helpers -------------------------------------------------------------------------------
     def set_grad_checkpointing(self, enable: bool = True) -> None:

@@ -1,0 +1,302 @@
+"""``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` of ``DiffCLIP`` and ``DiffLM``
+(``huggingface_hub.PyTorchModelHubMixin``), writing and reading diffmm's export folder, the one folder format that
+``diffmm export`` writes and ``diffmm.load_pretrained`` reads:
+
+- ``config.json``: ``{"diffmm_export": {"kind": "lm" | "clip", "version": 1}, "config": {...}, "model_type": ...,
+  "architectures": [...]}``; ``config`` is the model's ``LMConfig`` / ``CLIPConfig`` dict. ``model_type`` is a
+  sentence saying this is not a transformers model and what to use instead, so that transformers' error on
+  ``AutoModelForCausalLM.from_pretrained(folder)`` shows it (transformers has no class for it).
+- ``model.safetensors``: the state dict, tied (aliased) weights written once.
+- the tokenizer, when one is known: ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``special_tokens_map.json``
+  for diffmm's own tokenizers; :func:`write_tokenizer_files`), which ``transformers.AutoTokenizer`` loads.
+- ``README.md``: the model card (kept when the folder already has one).
+
+Loading checks every key and shape in one error (no partial loads). ``push_to_hub`` is the mixin's: it saves to a
+temporary folder with ``save_pretrained`` and uploads it with ``HfApi.upload_folder``.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Optional, Union
+
+import huggingface_hub
+import torch
+import torch.nn as nn
+from huggingface_hub import PyTorchModelHubMixin
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from diffmm.models.weights import DamagedFileError, check_state_dict, safetensors_damage
+
+#: what huggingface_hub raises for a repository it cannot give (no network, no such repository, a bad name)
+HUB_ERRORS = (huggingface_hub.errors.HfHubHTTPError, huggingface_hub.errors.LocalEntryNotFoundError,
+              huggingface_hub.errors.HFValidationError, huggingface_hub.errors.EntryNotFoundError)
+MARKER = "diffmm_export"
+VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+KINDS = ("lm", "clip")
+#: ``config.json``'s ``model_type`` per kind: transformers prints it in its "does not recognize this architecture" error
+MODEL_TYPES = {
+    "lm": "diffmm_lm (a diffmm export, not a transformers model: load it with diffmm.load_pretrained or "
+          "DiffLM.from_pretrained; for transformers write the DiffLlama folder: diffmm export CHECKPOINT OUT "
+          "--format difflama)",
+    "clip": "diffmm_clip (a diffmm export, not a transformers model: load it with diffmm.load_pretrained or "
+            "DiffCLIP.from_pretrained)",
+}
+
+#: tokenizer files of a folder (``transformers.AutoTokenizer`` reads them)
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE = "tokenizer.json", "tokenizer_config.json", \
+    "special_tokens_map.json"
+#: ``diffmm_tokenizer`` values of tokenizer_config.json: which diffmm tokenizer the files hold
+CLIP_BPE, CLIP_CAPTION, TOKENIZER_JSON = "clip-bpe", "clip-caption", "tokenizer.json"
+
+MODEL_CARD = """---
+{{ card_data }}
+---
+
+A diffmm `{{ model_class }}` ({{ description }}){% if paper_url %}; paper: {{ paper_url }}{% endif %}.
+
+Files: `config.json` (the diffmm model config under `config`), `model.safetensors`{% if tokenizer %}, the tokenizer
+(`tokenizer.json`, `tokenizer_config.json`, loaded by `transformers.AutoTokenizer.from_pretrained`){% endif %}.
+
+```python
+from {{ module }} import {{ model_class }}
+model = {{ model_class }}.from_pretrained("THIS_FOLDER_OR_REPO")   # or diffmm.load_pretrained("THIS_FOLDER")
+```
+"""
+
+
+def unique_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``model.state_dict()`` without aliases (tied weights), and ``alias -> kept key``."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple, str] = {}
+    for key, t in model.state_dict().items():
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                 t.dtype) if t.device.type != "meta" else None
+        if ident is not None and t.numel() and ident in first:
+            aliases[key] = first[ident]
+            continue
+        if ident is not None:
+            first[ident] = key
+        kept[key] = t
+    return kept, aliases
+
+
+def write_model_files(model: nn.Module, folder: Union[str, os.PathLike], kind: str) -> Path:
+    """``config.json`` and ``model.safetensors`` of ``model`` (export ``kind``) in ``folder``; returns the folder."""
+    sd, _ = unique_state_dict(model)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(folder / WEIGHTS),
+              metadata={"format": "pt", MARKER: kind})
+    meta = {MARKER: {"kind": kind, "version": VERSION}, "model_type": MODEL_TYPES[kind],
+            "architectures": [type(model).__name__], "config": model.config.to_dict()}
+    (folder / CONFIG).write_text(json.dumps(meta, indent=2))
+    return folder
+
+
+def is_export_folder(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a folder with ``config.json`` (holding the ``diffmm_export`` entry) and the weights."""
+    path = Path(path)
+    if not (path.is_dir() and (path / CONFIG).is_file() and (path / WEIGHTS).is_file()):
+        return False
+    try:
+        return MARKER in json.loads((path / CONFIG).read_text())
+    except (ValueError, OSError):
+        return False
+
+
+def read_export_config(path: Union[str, os.PathLike]) -> tuple[str, dict[str, Any]]:
+    """``(kind, config dict)`` of an export folder, with one-line errors for missing files, a missing or newer
+    ``diffmm_export`` entry and an unknown kind."""
+    folder = Path(path)
+    cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise FileNotFoundError(f"{folder}: a diffmm export folder needs {CONFIG} and {WEIGHTS}")
+    with open(cfg_path) as f:
+        meta = json.load(f)
+    info = meta.get(MARKER)
+    if not isinstance(info, dict) or "kind" not in info:
+        raise ValueError(f"{cfg_path}: no '{MARKER}': {{'kind': ...}} entry; not a diffmm export")
+    if info.get("version", VERSION) > VERSION:
+        raise ValueError(f"{cfg_path}: export version {info['version']} is newer than this diffmm reads ({VERSION})")
+    if info["kind"] not in KINDS:
+        raise ValueError(f"{cfg_path}: unknown export kind {info['kind']!r}; expected one of {', '.join(KINDS)}")
+    return info["kind"], meta.get("config", {})
+
+
+def read_export(path: Union[str, os.PathLike]) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """``(kind, config dict, state dict)`` of an export folder (:func:`read_export_config`; a damaged weights
+    file is one error naming it)."""
+    kind, config = read_export_config(path)
+    w_path = Path(path) / WEIGHTS
+    damage = safetensors_damage(w_path)
+    if damage is not None:
+        raise DamagedFileError(f"{w_path}: {damage}")
+    return kind, config, load_file(str(w_path))
+
+
+def load_state(model: nn.Module, state_dict: dict[str, torch.Tensor], *, source: str) -> nn.Module:
+    """Load a state dict written by :func:`write_model_files` (aliases once) into ``model``, all keys checked first."""
+    expected, aliases = unique_state_dict(model)
+    check_state_dict(state_dict, expected, source=source)  # shapes and dtype kinds, one error
+    result = model.load_state_dict(state_dict, strict=False)
+    leftover = sorted(set(result.missing_keys) - set(aliases))
+    if leftover or result.unexpected_keys:  # cannot happen after check_state_dict; guard against drift
+        raise KeyError(f"{source}: missing {leftover}, unexpected {result.unexpected_keys}")
+    return model
+
+
+def write_tokenizer_files(tok: Tokenizer, folder: Union[str, os.PathLike], *, kind: str, eos: str,
+                          bos: Optional[str] = None, pad: Optional[str] = None,
+                          model_max_length: Optional[int] = None) -> list[Path]:
+    """Write a ``tokenizers`` pipeline as ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
+    (``transformers.AutoTokenizer`` loads them as a fast tokenizer); returns the files.
+
+    Args:
+        tok: the pipeline.
+        kind: the ``diffmm_tokenizer`` entry (:data:`CLIP_BPE`, :data:`CLIP_CAPTION`, :data:`TOKENIZER_JSON`).
+        eos / bos / pad: the special tokens transformers should name (no bos: none is added).
+        model_max_length: the context length recorded for transformers (None: unlimited).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / TOKENIZER_FILE))
+    special = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False,
+              "model_max_length": int(model_max_length) if model_max_length else int(1e30), "diffmm_tokenizer": kind}
+    if pad:
+        config["pad_token"] = pad
+    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=2) + "\n")
+    return [folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE, folder / SPECIAL_TOKENS_FILE]
+
+
+def save_tokenizer_object(tokenizer: Any, folder: Path, model_max_length: Optional[int] = None) -> None:
+    """Write a tokenizer that saves itself: ``save_pretrained(folder)`` (transformers tokenizers; diffmm's
+    ``ClipBPE``, ``TokenizerFile``, ``CLIPTokenizer`` and ``HFTokenizer``, which also take ``model_max_length``)."""
+    save = getattr(tokenizer, "save_pretrained", None)
+    if not callable(save):
+        raise TypeError(f"tokenizer: a {type(tokenizer).__name__} cannot be written to {folder}; pass a tokenizer "
+                        f"with save_pretrained(folder): diffmm's (diffmm.data.load_lm_tokenizer, "
+                        f"diffmm.get_tokenizer) or a transformers tokenizer")
+    if model_max_length is not None and "model_max_length" in inspect.signature(save).parameters:
+        save(str(folder), model_max_length=model_max_length)
+    else:
+        save(str(folder))
+
+
+class DiffmmHubMixin(PyTorchModelHubMixin, library_name="diffmm", model_card_template=MODEL_CARD,
+                     tags=["diffmm", "differential-attention"]):
+    """The hub methods of diffmm's models; a model class sets :attr:`export_kind`, :meth:`config_from_dict` and
+    optionally :meth:`write_tokenizer`."""
+
+    #: ``'lm'`` or ``'clip'`` (``config.json``'s ``diffmm_export.kind``)
+    export_kind: ClassVar[str]
+    #: one line for the model card
+    card_description: ClassVar[str] = ""
+
+    @classmethod
+    def config_from_dict(cls, config: dict[str, Any], *, source: str) -> Any:
+        """The model's config object from ``config.json``'s ``config`` entry."""
+        raise NotImplementedError
+
+    def write_tokenizer(self, folder: Path, tokenizer: Any) -> None:
+        """Write ``tokenizer`` (None: the model's own, if it knows one) into ``folder``."""
+        if tokenizer is not None:
+            save_tokenizer_object(tokenizer, folder)
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], *, tokenizer: Any = None,
+                        **kwargs: Any) -> Optional[str]:
+        """Write the diffmm export folder (see :mod:`diffmm.models.hub_mixin`); ``tokenizer`` goes into it too.
+
+        Other keyword arguments are ``huggingface_hub``'s (``push_to_hub``, ``repo_id``, ``model_card_kwargs``,
+        ...); the config written is always the model's own (``config=`` is refused).
+        """
+        if kwargs.get("config") is not None:
+            raise ValueError("save_pretrained: config.json holds the model's own config; config= is not accepted")
+        with self._saving_tokenizer(tokenizer):
+            return super().save_pretrained(save_directory, **kwargs)
+
+    def push_to_hub(self, repo_id: str, *, tokenizer: Any = None, **kwargs: Any) -> str:
+        """``huggingface_hub``'s ``push_to_hub`` (needs the network and a token) of the :meth:`save_pretrained`
+        folder, ``tokenizer`` included."""
+        kwargs.pop("config", None)  # save_pretrained(push_to_hub=True) passes the mixin's; config.json is ours
+        with self._saving_tokenizer(tokenizer):
+            return super().push_to_hub(repo_id, **kwargs)
+
+    @contextlib.contextmanager
+    def _saving_tokenizer(self, tokenizer: Any) -> Iterator[None]:
+        """Hold the tokenizer to write while the mixin saves (an outer call's tokenizer stays when None)."""
+        outer = self.__dict__.get("_hub_tokenizer")
+        self.__dict__["_hub_tokenizer"] = tokenizer if tokenizer is not None else outer
+        try:
+            yield
+        finally:
+            self.__dict__["_hub_tokenizer"] = outer
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        write_model_files(self, save_directory, self.export_kind)
+        self.write_tokenizer(Path(save_directory), self.__dict__.get("_hub_tokenizer"))
+
+    def generate_model_card(self, *args: Any, **kwargs: Any) -> huggingface_hub.ModelCard:
+        has_tokenizer = self.__dict__.get("_hub_tokenizer") is not None or self.export_kind == "clip"
+        return super().generate_model_card(*args, model_class=type(self).__name__, module=type(self).__module__,
+                                           description=self.card_description, tokenizer=has_tokenizer, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs: Any):
+        """A model from a diffmm export folder, or from ``ORG/REPO`` on the Hugging Face Hub (``huggingface_hub``
+        downloads it; its ``revision``, ``token``, ``cache_dir``, ``local_files_only`` ... apply). Other keyword
+        arguments: ``map_location``, ``dtype`` and config fields to override (see :meth:`_from_pretrained`).
+
+        A missing local path, or a repository the Hub cannot give, is one ``FileNotFoundError`` naming it.
+        """
+        name = str(pretrained_model_name_or_path)
+        if not os.path.isdir(name) and (os.path.exists(name) or os.path.isabs(name) or name.startswith((".", "~"))
+                                        or name.count("/") != 1):
+            raise FileNotFoundError(f"{name}: no such folder; expected a diffmm export folder or ORG/REPO on the "
+                                    f"Hugging Face Hub")
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except HUB_ERRORS as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise FileNotFoundError(f"{name}: not a local folder, and the Hugging Face Hub gave none "
+                                    f"({type(e).__name__}: {first})") from None
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision: Optional[str], cache_dir: Optional[Union[str, Path]],
+                         force_download: bool, local_files_only: bool, token: Union[str, bool, None],
+                         config: Any = None, map_location: Union[str, torch.device] = "cpu",
+                         dtype: Optional[torch.dtype] = None, **overrides: Any):
+        """A model from an export folder or a Hub repository holding one (downloaded by ``huggingface_hub``).
+
+        Args:
+            config: what ``huggingface_hub`` read from ``config.json`` (unused: the folder is read here).
+            map_location: device of the weights.
+            dtype: cast the model after loading.
+            overrides: config fields merged into the stored config before building (e.g. ``attn_backend='sdpa'``).
+        """
+        for older_hub_arg in ("proxies", "resume_download"):  # passed by huggingface_hub < 1.0
+            overrides.pop(older_hub_arg, None)
+        folder = Path(model_id)
+        if not folder.is_dir():
+            folder = Path(huggingface_hub.snapshot_download(
+                repo_id=model_id, revision=revision, cache_dir=cache_dir, force_download=force_download,
+                local_files_only=local_files_only, token=token))
+        kind, stored, state_dict = read_export(folder)
+        if kind != cls.export_kind:
+            raise ValueError(f"{folder / CONFIG}: a diffmm {kind!r} export, not a {cls.__name__}; load it with "
+                             f"diffmm.load_pretrained")
+        model = cls(cls.config_from_dict({**stored, **overrides}, source=str(folder / CONFIG)))
+        load_state(model, state_dict, source=str(folder / WEIGHTS))
+        model.to(device=map_location)
+        if dtype is not None:
+            model.to(dtype)
+        return model.eval()
