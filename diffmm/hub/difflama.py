@@ -35,9 +35,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from diffmm.data.tokenizers import load_lm_tokenizer
 from diffmm.hub.checkpoint import check_state_dict, load_state_file
-from diffmm.hub.tokenizer_files import folder_eos_id, save_tokenizer
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -243,14 +241,15 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     Args:
         model: a :class:`~diffmm.models.lm.DiffLM` with ``attention='diff'`` and depth lambda_init.
         dtype: cast floating tensors (default: keep).
-        tokenizer: the LM's tokenizer (what :func:`~diffmm.hub.tokenizer_files.save_tokenizer` takes: ``ClipBPE``,
-            ``TokenizerFile``, ``clip``, a tokenizer.json path); its files are written too, and its eos id goes
-            into ``config.json``.
+        tokenizer: the LM's tokenizer (an object with ``save_pretrained(folder)``, ``vocab_size`` and ``eos_id``:
+            ``ClipBPE``, ``TokenizerFile``; :func:`~diffmm.hub.tokenizer_files.load_tokenizer_spec` reads one from
+            ``clip`` or a path); its files are written too, and its eos id goes into ``config.json``.
     """
     cfg = model.config
     hf_config = lm_config_to_hf(cfg)
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_lm_tokenizer(str(tokenizer))
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"save_difflama: tokenizer {type(tokenizer).__name__} cannot write its files (expected a "
+                        f"diffmm LM tokenizer such as ClipBPE or TokenizerFile)")
     n_tokens = getattr(tokenizer, "vocab_size", None)
     if n_tokens is not None and n_tokens > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {n_tokens} tokens, more than the model's vocab_size {cfg.vocab_size}")
@@ -265,8 +264,8 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     save_file({k: v.cpu().contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer is not None:
-        save_tokenizer(tokenizer, folder, model_max_length=cfg.block_size)
-        hf_config["eos_token_id"] = folder_eos_id(folder)
+        tokenizer.save_pretrained(folder, model_max_length=cfg.block_size)
+        hf_config["eos_token_id"] = tokenizer.eos_id
     with open(folder / "config.json", "w") as f:
         json.dump(hf_config, f, indent=2)
     return folder
