@@ -1,10 +1,10 @@
-# diffmm developer targets. `make test` is the one command that installs everything and runs the tests.
+# diffmm developer targets. `make test` is the one command that installs everything, lints (ruff) and runs the tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: venv install test test-all demo demo-quick demo-data demo-pretrained bench clean
+.PHONY: venv install lint test test-all demo demo-quick demo-data demo-pretrained bench clean
 
 venv: $(VENV)/.installed
 
@@ -17,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: venv
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q
+
+lint: venv
+	$(PY) -m ruff check .
 
 test-all: venv
 	$(PY) -m pytest -q -m ''

@@ -5,9 +5,9 @@ function, and its flags and ``--help`` come from that function's signature and d
 builds its command line): ``diffmm eval <task>`` and ``diffmm classify`` (:mod:`diffmm.eval.commands`), ``diffmm
 shards <tool>`` (:mod:`diffmm.data.shard_tools`, the demo dataset builders), ``diffmm export``
 (:func:`diffmm.hub.export.export`) and ``diffmm demo``. ``diffmm eval lm-eval`` takes lm-eval's own arguments
-(:func:`diffmm.eval.harness.lm_eval_cli`). Flags are the parameter names (``--batch_size 8``,
-``--progress false``, lists as ``--seq_len '[64,128]'``). Bad input ends with one ``diffmm <command>: error: ...``
-line and exit status 2.
+(:func:`diffmm.eval.harness.lm_eval_cli`). Flags are the parameter names (``--batch_size 8``, ``--progress false``,
+lists as ``--seq_len '[64,128]'``; dashes are aliases: ``--batch-size 8``). Bad input ends with one
+``diffmm <command>: error: ...`` line and exit status 2.
 """
 from __future__ import annotations
 
@@ -128,6 +128,18 @@ def _command_words(argv: list[str]) -> list[str]:
     return words
 
 
+def underscore_flags(argv: list[str]) -> list[str]:
+    """``--batch-size 8`` -> ``--batch_size 8``: flags are the parameter names (underscores, as in ``diffmm fit`` and
+    the field's tools); dashes are accepted as aliases. Values (``--out my-file.json``) are left alone."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2 and not arg.startswith("---"):
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("-", "_") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``diffmm``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -136,6 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv:
         print(build_parser().format_help())
         return 0
+    argv = underscore_flags(argv)
     try:
         names, fn, kwargs = parse(argv)
     except SystemExit as e:  # --help

@@ -6,7 +6,7 @@ import inspect
 import docstring_parser
 import pytest
 
-from diffmm.cli import COMMANDS, main, parse
+from diffmm.cli import COMMANDS, main, parse, underscore_flags
 
 
 def _functions(commands: dict, prefix: str = "diffmm"):
@@ -47,3 +47,13 @@ def test_usage_and_errors(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and want in err[0], (argv, err)
+
+
+def test_dashed_flags_are_aliases_of_the_parameter_names():
+    argv = ["eval", "recall", "--lm", "config:transformer-tiny", "--seq-len=[16, 32]", "--batch-size", "4",
+            "--out", "my-file--x.json"]
+    assert underscore_flags(argv)[4:] == ["--seq_len=[16, 32]", "--batch_size", "4", "--out", "my-file--x.json"]
+    dashed = parse(underscore_flags(argv))
+    assert dashed == parse(["eval", "recall", "--lm", "config:transformer-tiny", "--seq_len", "[16, 32]",
+                            "--batch_size", "4", "--out", "my-file--x.json"])
+    assert dashed[2]["batch_size"] == 4 and dashed[2]["seq_len"] == [16, 32]
