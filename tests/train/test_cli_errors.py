@@ -73,7 +73,6 @@ def test_print_config_resolves_defaults(tmp_path, capsys, base_cfg):
 @pytest.mark.parametrize("bad", ["int64", "truncated"])
 def test_bad_pretrained_weights_are_one_line(tmp_path, capsys, image_text_data, bad):
     """``model.init_args.pretrained`` with integer weights or a truncated file: one line naming the key / the file."""
-    import torch
     from safetensors.torch import save_file
 
     import diffmm

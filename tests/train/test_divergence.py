@@ -68,7 +68,7 @@ def test_nan_loss_stops_before_the_update_and_keeps_the_checkpoints(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == DIVERGED_EXIT_CODE
     last = os.path.join(root, "checkpoints", "last.ckpt")
-    assert f"non-finite loss (nan) at step 3 (epoch 0): training stopped before the update; last good checkpoint: " in err
+    assert "non-finite loss (nan) at step 3 (epoch 0): training stopped before the update; last good checkpoint: " in err
     assert "(step 3)" in err and "checkpoints" in err
     ckpts = _checkpoints(root)
     assert ckpts["last.ckpt"]["global_step"] == 3 and all(_finite(c) for c in ckpts.values())

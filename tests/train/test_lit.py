@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import diffmm
 from diffmm.models.clip.preprocess import tokenizer_for
