@@ -83,7 +83,7 @@ def test_cli_bad_input_one_line_errors(tmp_path, capsys):
     assert rc == 2 and len(err) == 1 and err[0].startswith("diffmm eval zeroshot: error: --batch_size:"), err
     assert main(["eval", "zeroshot", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "--label_field" in out and "the IDX split: train or test" in out
+    assert "--label_field" in out and "the IDX or wds split: train or test" in out
     assert "show a progress bar" in out  # the shared options are documented too
 
 
