@@ -147,7 +147,8 @@ def profile_impls(args) -> int:
             title = (f"{impl}: B={args.batch} N={N} width {args.dim}, {args.heads} differential heads, "
                      f"{'causal' if args.causal else 'non-causal'}, {reps} x forward+backward, "
                      f"{torch.get_num_threads()} threads")
-            print_profile(title, lambda: [layer(x, **kw).backward(dy) for _ in range(reps)], args.profile)
+            print_profile(title, lambda layer=layer, x=x, kw=kw, dy=dy, reps=reps:
+                          [layer(x, **kw).backward(dy) for _ in range(reps)], args.profile)
     return 0
 
 

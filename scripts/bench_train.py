@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", default="data/emoji/noto/emoji-noto-{000000..000001}.tar",
                    help="image-text shards for the cached batches (synthetic data when missing)")
     p.add_argument("--lm-model", default="diff-tiny")
-    p.add_argument("--lm-kwargs", default='{"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 128, "vocab_size": 8192}')
+    p.add_argument("--lm-kwargs",
+                   default='{"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 128, "vocab_size": 8192}')
     p.add_argument("--lm-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

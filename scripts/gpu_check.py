@@ -2,7 +2,9 @@
 
 On the device machine (device tool ``run`` with ``timeout_s=600``; what lands in ``$OUT/gpu`` comes back)::
 
-    set -o pipefail; mkdir -p $OUT/gpu && PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 540 python3 scripts/gpu_check.py --out $OUT/gpu 2>&1 | tee $OUT/gpu/log.txt
+    set -o pipefail; mkdir -p $OUT/gpu &&
+      PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 540 python3 scripts/gpu_check.py --out $OUT/gpu 2>&1 |
+      tee $OUT/gpu/log.txt
 
 If a part fails, rerun it at once while the machine and Triton's cache are warm (``--parts 1 --budget-s 150``
 under ``timeout 200``). Elsewhere::

@@ -70,7 +70,8 @@ def demo_run(root: str) -> str:
                     "documented comparison)"}.get(preset, "custom")),
         ("seeds", ", ".join(map(str, cfg["seeds"]))),
         *[(p["name"], f"{' vs '.join(p['models'])}: {p['budget']}") for p in r["parts"].values()],
-        ("steps", f"{len(steps) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else "")),
+        ("steps", f"{len(steps) - len(failed)} ok, {len(failed)} failed"
+                  + (f" ({', '.join(failed)})" if failed else "")),
         ("wall time", f"{(r.get('wall_seconds') or 0) / 60:.1f} min (CPU {(r.get('cpu_seconds') or 0) / 60:.1f} min), "
                       f"{env['cores']} cores, {env['torch_threads']} torch thread(s), load average "
                       f"{env.get('load_start')} at the start, {env.get('load_end', '?')} at the end"),
@@ -80,7 +81,8 @@ def demo_run(root: str) -> str:
     lines = ["| run | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     if preset != "full":
         lines += ["", f"**The committed run is the {preset} preset**, not the 3-seed `make demo` run this page "
-                      "describes; regenerate with `make demo && python scripts/results_tables.py --import-demo report`."]
+                      "describes; regenerate with "
+                      "`make demo && python scripts/results_tables.py --import-demo report`."]
     return "\n".join(lines) + "\n"
 
 
@@ -124,7 +126,7 @@ def render(root: str = REPO) -> tuple[str, list[str]]:
         block = (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {folder}/results.json) -->\n" + fn(root).rstrip("\n")
                  + "\n"
                  f"<!-- END GENERATED {name} -->")
-        text = _pattern(name).sub(lambda m: block, text, count=1)
+        text = _pattern(name).sub(lambda m, block=block: block, text, count=1)
     return text, problems
 
 

@@ -343,4 +343,5 @@ def test_no_tracked_file_names_a_machine_path():
     r = subprocess.run(["git", "grep", "-nIE", MACHINE_PATH, "--", ".", ":!tests"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stderr
-    assert r.stdout == "", "tracked files name machine paths (use paths relative to the repository):\n" + r.stdout[:3000]
+    assert r.stdout == "", ("tracked files name machine paths (use paths relative to the repository):\n"
+                            + r.stdout[:3000])

@@ -141,7 +141,8 @@ def test_idx_reader_equals_torchvision(tmp_path):
 
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (12, 28, 28), dtype=np.uint8), rng.integers(0, 10, 12).astype(np.uint8)
-    pi, pl = write_idx(str(tmp_path / "imgs-idx3-ubyte"), images), write_idx(str(tmp_path / "labels-idx1-ubyte"), labels)
+    pi = write_idx(str(tmp_path / "imgs-idx3-ubyte"), images)
+    pl = write_idx(str(tmp_path / "labels-idx1-ubyte"), labels)
     ours_i, ours_l = IdxArray(pi), IdxArray(pl)
     np.testing.assert_array_equal(np.stack([ours_i[i] for i in range(len(ours_i))]), read_image_file(pi).numpy())
     np.testing.assert_array_equal(np.array([ours_l[i] for i in range(len(ours_l))]).reshape(-1),

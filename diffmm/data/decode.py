@@ -96,7 +96,8 @@ def decode_text(sample: dict, field: str, stats: DataStats, where: str) -> Optio
     if isinstance(value, str):
         return value
     if not isinstance(value, (bytes, bytearray)):
-        stats.skip("missing_text", where, f"no {field!r} field" if value is None else f"{field}: {type(value).__name__}")
+        stats.skip("missing_text", where,
+                   f"no {field!r} field" if value is None else f"{field}: {type(value).__name__}")
         return None
     try:
         return value.decode("utf-8")

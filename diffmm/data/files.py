@@ -51,7 +51,8 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, sort_keys: bool = False
 
 
 def read_json(path: str) -> Optional[dict]:
-    """The JSON object in ``path``; ``None`` when the file is missing, or (with a warning) unreadable or not an object."""
+    """The JSON object in ``path``; ``None`` when the file is missing, or (with a warning) unreadable or not an
+    object."""
     try:
         with open(path) as f:
             data = json.load(f)

@@ -1,4 +1,5 @@
-"""Image-text and image-label batches from img2dataset-style shards (``KEY.jpg|png|webp`` + ``KEY.txt`` + ``KEY.json``)."""
+"""Image-text and image-label batches from img2dataset-style shards (``KEY.jpg|png|webp`` + ``KEY.txt`` +
+``KEY.json``)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence

@@ -107,7 +107,8 @@ def _pick_column(rows: list[dict], wanted: Optional[str], candidates: Sequence[s
     for c in candidates:
         if c in columns:
             return c
-    raise KeyError(f"{path}: no {what} column (looked for {list(candidates)}); columns are {columns}; pass it explicitly")
+    raise KeyError(f"{path}: no {what} column (looked for {list(candidates)}); columns are {columns}; "
+                   "pass it explicitly")
 
 
 def _skip_or_raise(writer: ShardWriter, skip: bool, reason: str, error: Exception,

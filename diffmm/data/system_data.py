@@ -25,7 +25,8 @@ NPM_DIR = os.path.join(os.path.expanduser("~"), ".cache", "diffmm", "npm")
 
 
 def require_debian_file(path: str, package: str) -> str:
-    """Return ``path`` if it exists, else raise one ``FileNotFoundError`` line naming the Debian ``package`` that has it."""
+    """Return ``path`` if it exists, else raise one ``FileNotFoundError`` line naming the Debian ``package`` that
+    has it."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: install the Debian package {package} (`make demo-data` does)")
     return path

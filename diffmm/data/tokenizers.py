@@ -1,4 +1,5 @@
-"""LM tokenizers: the CLIP BPE, a local byte-level BPE or any ``tokenizer.json`` (captions: ``diffmm.models.clip.tokenizer``)."""
+"""LM tokenizers: the CLIP BPE, a local byte-level BPE or any ``tokenizer.json`` (captions:
+``diffmm.models.clip.tokenizer``)."""
 from __future__ import annotations
 
 import hashlib
@@ -106,7 +107,8 @@ def train_byte_level_bpe(texts: Iterable[str], out_path: str, vocab_size: int = 
 
 
 def load_lm_tokenizer(spec: str) -> LMTokenizer:
-    """``"clip"`` -> :class:`ClipBPE`; a path to a ``tokenizer.json`` (or a folder holding one) -> :class:`TokenizerFile`."""
+    """``"clip"`` -> :class:`ClipBPE`; a path to a ``tokenizer.json`` (or a folder holding one) ->
+    :class:`TokenizerFile`."""
     if spec in ("clip", "clip-bpe"):
         return ClipBPE()
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec

@@ -37,7 +37,8 @@ def check_prefix(prefix: str) -> str:
 
 
 class SkipCounter:
-    """Input rows a writer skipped, by reason; ``str()`` is ``"3 rows skipped (missing image=2, bad image=1); first ..."``."""
+    """Input rows a writer skipped, by reason; ``str()`` is
+    ``"3 rows skipped (missing image=2, bad image=1); first ..."``."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}

@@ -36,7 +36,7 @@ def _image(sample: dict) -> Image.Image:
 
 def draw_demo_montage(data: str = "data", out: str = "docs/img/demo_montage.png", n_cols: int = 8,
                       cell: int = 96) -> str:
-    """Draw the same emoji in each art style and one Fashion-MNIST image per class into a PNG; prints and returns its path.
+    """Draw the same emoji in each style and one Fashion-MNIST image per class into a PNG; prints and returns its path.
 
     Args:
         data: the demo data folder.
@@ -66,7 +66,8 @@ def draw_demo_montage(data: str = "data", out: str = "docs/img/demo_montage.png"
         cells = [(_image(picked[c]), json.loads(picked[c]["json"])["class"]) for c in sorted(picked)][:n_cols]
         rows.append(("fashion-mnist", cells))
     if not rows:
-        raise FileNotFoundError(f"{data}: no emoji or fashion-mnist shards to draw (build them with diffmm shards demo-all)")
+        raise FileNotFoundError(f"{data}: no emoji or fashion-mnist shards to draw "
+                                "(build them with diffmm shards demo-all)")
     label_w, text_h = 110, 40
     sheet = Image.new("RGB", (label_w + n_cols * cell, len(rows) * (cell + text_h)), "white")
     draw = ImageDraw.Draw(sheet)
@@ -75,7 +76,8 @@ def draw_demo_montage(data: str = "data", out: str = "docs/img/demo_montage.png"
         draw.text((4, y + cell // 2), label, fill="black", font=font)
         for c, (img, caption) in enumerate(cells):
             x = label_w + c * cell
-            sheet.paste(img.resize((cell - 8, cell - 8), Image.NEAREST if img.width < 40 else Image.LANCZOS), (x + 4, y + 4))
+            sheet.paste(img.resize((cell - 8, cell - 8), Image.NEAREST if img.width < 40 else Image.LANCZOS),
+                        (x + 4, y + 4))
             short = caption.replace("an emoji of ", "")
             draw.multiline_text((x + 2, y + cell - 2), "\n".join(textwrap.wrap(short, 16)[:3]), fill="black",
                                 font=font, spacing=1)

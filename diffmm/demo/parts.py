@@ -160,9 +160,9 @@ def _held_out_metrics(pct: dict) -> list[dict]:
 
 
 def _retrieval_metrics(pct: dict) -> list[dict]:
-    return [metric(f"{key}_r{k}", f"retrieval held-out style, {d} R@{k} %", f"retrieval.{d.replace('->', '_to_')}_R@{k}",
-                   **pct, chance=f"retrieval.chance_R{k}") for key, d in (("i2t", "image->text"), ("t2i", "text->image"))
-            for k in (1, 5)]
+    return [metric(f"{key}_r{k}", f"retrieval held-out style, {d} R@{k} %",
+                   f"retrieval.{d.replace('->', '_to_')}_R@{k}", **pct, chance=f"retrieval.chance_R{k}")
+            for key, d in (("i2t", "image->text"), ("t2i", "text->image")) for k in (1, 5)]
 
 
 def icons_zero_shot(data: str) -> Callable[[Any, int], dict]:
@@ -220,7 +220,8 @@ def lit_pictures(data: str, held: str, model_label: str) -> Callable[[dict, str]
 def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, configs: str) -> Part:
     """CLIP-Tiny vs DiffCLIP-Tiny trained on three emoji art styles; zero-shot and retrieval on the fourth."""
     styles = [s for s in STYLES if s != holdout]
-    held, train = os.path.join(data, "emoji", holdout, "*.tar"), [os.path.join(data, "emoji", s, "*.tar") for s in styles]
+    held = os.path.join(data, "emoji", holdout, "*.tar")
+    train = [os.path.join(data, "emoji", s, "*.tar") for s in styles]
     n_held, n_fmnist = (512, 512) if quick else (None, 2000)
 
     def fashion(model, seed: int) -> dict:
@@ -242,7 +243,8 @@ def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, co
         f"the rest of the recipe as in the config files), the same seeds, data order and budget for both; evaluated "
         f"on the held-out style `{holdout}` (zero-shot by emoji group and subgroup with the prompt "
         f"\"{EMOJI_TEMPLATE}\", image<->text retrieval) and zero-shot on Fashion-MNIST test ({n_fmnist} images).",
-        {"zs_group": emoji_zero_shot(data, held, "group", n_held), "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
+        {"zs_group": emoji_zero_shot(data, held, "group", n_held),
+         "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
          "zs_fmnist": fashion, "retrieval": held_out_retrieval(held, n_held)},
         [metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
@@ -262,7 +264,8 @@ def lit_part(data: str, steps: int, workers: int, holdout: str, quick: bool, con
     cached), and the differential ViT with the upcycled differential MiniLM unlocked; zero-shot on the held-out
     style (Google's art is Noto's: it is never trained on)."""
     styles = [s for s in STYLES if s not in (holdout, "google")]
-    held, train = os.path.join(data, "emoji", holdout, "*.tar"), [os.path.join(data, "emoji", s, "*.tar") for s in styles]
+    held = os.path.join(data, "emoji", holdout, "*.tar")
+    train = [os.path.join(data, "emoji", s, "*.tar") for s in styles]
     # retrieval encodes every caption with MiniLM (the costly part of the evaluation): the first 1024 images
     n_held, n_retrieval, warmup = (512 if quick else None), (512 if quick else 1024), max(1, steps // 12)
     pct = dict(higher_is_better=True, percent=True)
@@ -279,9 +282,9 @@ def lit_part(data: str, steps: int, workers: int, holdout: str, quick: bool, con
         f"Image towers trained from scratch on the emoji styles {', '.join(styles)} for {steps} steps of 64 pairs "
         f"(warmup {warmup}, the rest of the recipe as in the config files), the same seeds, data order and budget for "
         f"all three, against the pretrained all-MiniLM-L6-v2 text tower: locked (frozen, each caption's features "
-        f"cached) for the standard and the differential ViT; for the third, its top two layers upcycled to differential "
-        f"attention and unlocked at a small lr (text_lr; the locked layers below cached), on the first seed only. "
-        f"Evaluated on the held-out style `{holdout}`, art none of them saw: "
+        f"cached) for the standard and the differential ViT; for the third, its top two layers upcycled to "
+        f"differential attention and unlocked at a small lr (text_lr; the locked layers below cached), on the first "
+        f"seed only. Evaluated on the held-out style `{holdout}`, art none of them saw: "
         f"zero-shot by emoji group and subgroup with the prompt \"{EMOJI_TEMPLATE}\" ({'512' if quick else 'all'} "
         f"images) and image<->text retrieval among {n_retrieval} pairs; zero-shot on {ICONS} (colour icons, not emoji, "
         f"labelled by their publisher's 31 categories; `diffmm shards demo-icons`). "
@@ -355,7 +358,8 @@ def lm_part(data: str, steps: int, workers: int, quick: bool, configs: str) -> P
         f"122-token contexts (N=2, R=1, {needle['trials']} trials at depths 0, 0.5, 1); activation outliers over "
         f"{2 if quick else 8} validation batches.",
         {"val": val_loss, "needle": needles, "outliers": outliers},
-        [metric("train_loss", "final train loss", "train.final_train_loss", False, digits=3, chance="train.chance_loss"),
+        [metric("train_loss", "final train loss", "train.final_train_loss", False, digits=3,
+                chance="train.chance_loss"),
          metric("val_loss", "validation loss (nats/token)", "val.nll", False, digits=3, chance="val.chance_loss"),
          metric("val_ppl", "validation perplexity", "val.perplexity", False, digits=1, chance="val.chance_perplexity"),
          metric("needle_acc", "multi-needle accuracy %", "needle.accuracy", True, True),
@@ -406,7 +410,8 @@ def recall_part(steps: int, quick: bool, configs: str) -> Part:
         [metric("accuracy", "recall accuracy %", "recall.accuracy", True, True, 1, "recall.chance.mean"),
          *[metric(f"{k}_share", f"attention: {k.replace('_of_', ' / ').replace('_', ' ')} %", f"recall.attention.{k}",
                   hib, True, 1) for k, hib in shares],
-         metric("train_loss", "train answer loss", "train.final_train_loss", False, digits=3, chance="train.chance_loss"),
+         metric("train_loss", "train answer loss", "train.final_train_loss", False, digits=3,
+                chance="train.chance_loss"),
          metric("params", "parameters", "train.params", None, digits=0),
          *[metric(f"acc_{t.name}", f"recall accuracy {t.name} %", f"recall.accuracy_by_task.{t.name}", True, True, 1,
                   f"recall.chance.{t.name}") for t in tasks_from_grid(64, seq_lens, pairs)]],  # the configs' vocabulary

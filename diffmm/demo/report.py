@@ -85,7 +85,8 @@ def comparison_table(part: dict) -> str:
         row += [fmt(part["summary"].get(x, {}).get(m["key"], {}), m) for x in part["models"]]
         for x in others:
             p = part["paired"].get(x, {}).get(m["key"], {})
-            row += [fmt(p, m, signed=True), "n/a" if p.get("wins") is None or not p["n"] else f"{p['wins']}/{p['n']} seeds"]
+            row += [fmt(p, m, signed=True),
+                    "n/a" if p.get("wins") is None or not p["n"] else f"{p['wins']}/{p['n']} seeds"]
         rows.append(row + [chance(part, m)])
     return table(headers + ["chance"], rows)
 
@@ -105,8 +106,9 @@ def render(results: dict, out: str) -> str:
     failed = [s for s in steps if s["status"] == "failed"]
     skipped = sum(s["status"] == "skipped" for s in steps)
     md = ["# diffmm demo: standard vs differential attention\n",
-          f"`{results['command']}` (preset {cfg['preset']}): **{results['status']}**, {len(steps) - len(failed) - skipped} "
-          f"steps ok, **{len(failed)} failed**, {skipped} skipped; {(results.get('wall_seconds') or 0) / 60:.1f} min "
+          f"`{results['command']}` (preset {cfg['preset']}): **{results['status']}**, "
+          f"{len(steps) - len(failed) - skipped} steps ok, **{len(failed)} failed**, {skipped} skipped; "
+          f"{(results.get('wall_seconds') or 0) / 60:.1f} min "
           f"(CPU {(results.get('cpu_seconds') or 0) / 60:.1f} min) on {env['cores']} cores, {env['torch_threads']} "
           f"torch thread(s), load average {env['load_start']} at the start, {env.get('load_end', '?')} at the end; "
           f"diffmm {env['diffmm']}, torch {env['torch']}, Python {env['python']}. Seeds: "

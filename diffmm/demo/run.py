@@ -6,6 +6,7 @@ result are skipped, the rest still runs, and the report is rewritten after every
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import json
 import os
@@ -121,7 +122,8 @@ class Demo:
         self.results["parts"][part.key]["commands"][label] = "diffmm " + shlex.join(argv)
         t = time.perf_counter()
         with warnings.catch_warnings():  # Lightning's notes on in-process CLI args and iterable datasets' __len__
-            warnings.filterwarnings("ignore", message=r".*(args parameter|`__len__` defined|LeafSpec|in eval mode at the start)")
+            warnings.filterwarnings("ignore",
+                                    message=r".*(args parameter|`__len__` defined|LeafSpec|in eval mode at the start)")
             steps = run_cli(argv).trainer.global_step
         seconds = time.perf_counter() - t
         if steps != part.steps:
@@ -156,9 +158,10 @@ class Demo:
                     continue
                 run = res["runs"][label].setdefault(seed, {})
                 model = self.step(f"train {label} seed {seed} ({part.steps} steps)",
-                                  lambda: self.train(part, label, config, seed, run), needs=(ready,))
+                                  functools.partial(self.train, part, label, config, seed, run), needs=(ready,))
                 for name, fn in part.evals.items():
-                    self.step(f"eval {name} {label} seed {seed}", lambda: fn(model, seed), (model,), (run, name))
+                    self.step(f"eval {name} {label} seed {seed}", functools.partial(fn, model, seed), (model,),
+                              (run, name))
                 model = None  # free the weights before the next run
         csvs = {f"{x} seed {s}": os.path.join(self.out, r["train"]["metrics_csv"])
                 for x, rs in res["runs"].items() for s, r in rs.items() if "train" in r}
@@ -256,7 +259,8 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
                                                else "quick" if quick else "full", "seeds": seeds, "parts": parts,
                                                "steps": steps, "holdout": holdout, "threads": threads},
                "environment": {"diffmm": __version__, "torch": torch.__version__, "python": platform.python_version(),
-                               "platform": platform.platform(), "cores": cores, "torch_threads": torch.get_num_threads(),
+                               "platform": platform.platform(), "cores": cores,
+                               "torch_threads": torch.get_num_threads(),
                                "load_start": [round(x, 1) for x in os.getloadavg()]},
                "plots": {}, "steps": [], "parts": {p.key: {
                    "name": p.name, "title": p.title, "about": p.about, "budget": p.budget, "metrics": p.metrics,
@@ -267,11 +271,13 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
     try:
         for p in todo:
             demo.run_part(p, seeds, data)
-        demo.step("plot lambda per layer", lambda: plot_lambdas(results["parts"], out), into=(results["plots"], "lambda"))
+        demo.step("plot lambda per layer", lambda: plot_lambdas(results["parts"], out),
+                  into=(results["plots"], "lambda"))
     finally:
         failed = [s for s in demo.steps if s["status"] == "failed"]
         results["environment"]["load_end"] = [round(x, 1) for x in os.getloadavg()]
-        results.update(status="failed" if failed else "ok", finished=datetime.datetime.now().isoformat(timespec="seconds"))
+        results.update(status="failed" if failed else "ok",
+                       finished=datetime.datetime.now().isoformat(timespec="seconds"))
         demo.save()
     print(f"\n{'=' * 70}\ndiffmm demo {'FINISHED WITH FAILURES' if failed else 'finished'} in "
           f"{results['wall_seconds'] / 60:.1f} min: {os.path.join(out, 'report.md')}", file=sys.stderr)

@@ -50,7 +50,8 @@ class NeedleConfig:
 
     def __post_init__(self):
         if not 1 <= self.num_queried <= self.num_needles:
-            raise EvalError(f"needle: need 1 <= R (num_queried={self.num_queried}) <= N (num_needles={self.num_needles})")
+            raise EvalError(f"needle: need 1 <= R (num_queried={self.num_queried}) <= N "
+                            f"(num_needles={self.num_needles})")
         if self.num_needles > len(CITIES):
             raise EvalError(f"needle: at most {len(CITIES)} needles")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):

@@ -144,7 +144,8 @@ def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False) -> d
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename over ``path`` (no temporary left on errors)."""
+    """``torch.save`` to a temporary file in the same folder, then rename over ``path`` (no temporary left on
+    errors)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

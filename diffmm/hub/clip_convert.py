@@ -3,8 +3,8 @@ configs (open_clip's model configs, or configs read from a state dict's shapes).
 
 diffmm's ``DiffCLIP`` state dict *is* the layout of the official DiffCLIP checkpoints (github
 hammoudhasan/DiffCLIP) without the DDP ``module.`` prefix, so the official format needs only prefix stripping.
-open_clip and timm keep q/k/v in one fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v), which splits into
-``q_proj`` / ``k_proj`` / ``v_proj``.
+open_clip and timm keep q/k/v in one fused matrix (``in_proj_weight`` / ``qkv.weight``, rows ordered q, k, v),
+which splits into ``q_proj`` / ``k_proj`` / ``v_proj``.
 """
 from __future__ import annotations
 

@@ -163,7 +163,8 @@ def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
 
 def _is_diffclip(model: nn.Module) -> bool:
     """A diffmm ``DiffCLIP`` (known by its config, so that the model module may use swap itself)."""
-    return isinstance(getattr(model, "config", None), CLIPConfig) and isinstance(getattr(model, "visual", None), DiffmmViT)
+    return (isinstance(getattr(model, "config", None), CLIPConfig)
+            and isinstance(getattr(model, "visual", None), DiffmmViT))
 
 
 def _is_timm_vit(m: nn.Module) -> bool:

@@ -12,5 +12,5 @@ from diffmm.nn.rope import RotaryEmbedding, apply_rope, rotate_half
 
 __all__ = ["Attention", "DiffAttention", "ATTENTION_LAYERS", "create_attention", "register_attention", "KVCache",
            "DiffV2Attention", "attention_param_report",
-           "lambda_init_depth", "resolve_lambda_init", "Mlp", "QuickGELU", "SwiGLU", "create_act", "LayerNorm", "RMSNorm",
-           "RotaryEmbedding", "apply_rope", "rotate_half"]
+           "lambda_init_depth", "resolve_lambda_init", "Mlp", "QuickGELU", "SwiGLU", "create_act", "LayerNorm",
+           "RMSNorm", "RotaryEmbedding", "apply_rope", "rotate_half"]

@@ -36,7 +36,8 @@ def create_attention(attn_type: str, dim: int, num_heads: int, *, num_kv_heads: 
     try:
         cls, comps = ATTENTION_LAYERS[attn_type]
     except KeyError:
-        raise ValueError(f"unknown attention type {attn_type!r}; expected one of {', '.join(ATTENTION_LAYERS)}") from None
+        raise ValueError(f"unknown attention type {attn_type!r}; "
+                         f"expected one of {', '.join(ATTENTION_LAYERS)}") from None
     num_kv_heads = num_kv_heads or num_heads
     if comps > 1 and (num_heads % comps or num_kv_heads % comps):
         raise ValueError(f"attention type {attn_type!r} needs num_heads ({num_heads}) and num_kv_heads "

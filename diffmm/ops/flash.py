@@ -46,10 +46,10 @@ def diff_attention_flash(q, k, v, lam, *, causal=False, attn_mask=None, norm_wei
     Q = torch.cat([q1, q1, q2, q2], dim=2)  # (B, N, 4h, d)
     K = torch.cat([k1, k1, k2, k2], dim=2).contiguous()
     V = torch.cat([va, vb, va, vb], dim=2).contiguous()
-    O = _flash_attn_func(Q.contiguous(), K, V, softmax_scale=d ** -0.5, causal=causal)  # (B, N, 4h, d)
-    O = O.transpose(1, 2)  # (B, 4h, N, d)
-    o1 = torch.cat([O[:, :h], O[:, h:2 * h]], dim=-1)
-    o2 = torch.cat([O[:, 2 * h:3 * h], O[:, 3 * h:]], dim=-1)
+    out = _flash_attn_func(Q.contiguous(), K, V, softmax_scale=d ** -0.5, causal=causal)  # (B, N, 4h, d)
+    out = out.transpose(1, 2)  # (B, 4h, N, d)
+    o1 = torch.cat([out[:, :h], out[:, h:2 * h]], dim=-1)
+    o2 = torch.cat([out[:, 2 * h:3 * h], out[:, 3 * h:]], dim=-1)
     return diff_epilogue(o1, o2, lam, norm_weight=norm_weight, lambda_init=lambda_init, eps=eps, out_dtype=q.dtype)
 
 

@@ -64,7 +64,8 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
     if chosen == "combined":
         return combined_diff_attention(q, k, v, lam, spec, attn_mask=attn_mask, causal=causal, norm_weight=norm_weight,
                                        lambda_init=lambda_init, eps=eps)  # (B, N, h, 2d)
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, 2h, N, d) (B, 2h_kv, S, d) (B, h_kv, S, 2d)
+    # (B, 2h, N, d) (B, 2h_kv, S, d) (B, h_kv, S, 2d)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q1, q2 = qt[:, 0::2], qt[:, 1::2]  # (B, h, N, d)
     k1, k2 = kt[:, 0::2], kt[:, 1::2]  # (B, h_kv, S, d)
     scale, gqa = d ** -0.5, h != h_kv
@@ -73,9 +74,9 @@ def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weig
         Q = torch.cat([q1, q1, q2, q2], dim=1)  # (B, 4h, N, d)
         K = torch.cat([k1, k1, k2, k2], dim=1)  # (B, 4h_kv, S, d): block b of Q pairs with block b of K
         V = torch.cat([va, vb, va, vb], dim=1)
-        O = _sdpa(Q, K, V, spec, scale, gqa)  # (B, 4h, N, d)
-        o1 = torch.cat([O[:, :h], O[:, h:2 * h]], dim=-1)  # (B, h, N, 2d)
-        o2 = torch.cat([O[:, 2 * h:3 * h], O[:, 3 * h:]], dim=-1)
+        out = _sdpa(Q, K, V, spec, scale, gqa)  # (B, 4h, N, d)
+        o1 = torch.cat([out[:, :h], out[:, h:2 * h]], dim=-1)  # (B, h, N, 2d)
+        o2 = torch.cat([out[:, 2 * h:3 * h], out[:, 3 * h:]], dim=-1)
     else:
         o1 = _sdpa(q1, k1, vt, spec, scale, gqa)  # (B, h, N, 2d)
         o2 = _sdpa(q2, k2, vt, spec, scale, gqa)

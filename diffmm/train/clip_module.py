@@ -151,12 +151,14 @@ class CLIPModule(TrainModule):
             apply_swap(model, swap)
         for attr in ("encode_image", "encode_text", "logit_scale"):
             if not hasattr(model, attr):
-                raise TypeError(f"CLIPModule: {type(model).__name__} has no {attr!r}; expected open_clip's model interface")
+                raise TypeError(f"CLIPModule: {type(model).__name__} has no {attr!r}; "
+                                "expected open_clip's model interface")
         if getattr(model, "logit_bias", None) is not None:
             raise ValueError("CLIPModule: the model has a logit_bias (init_logit_bias, a SigLIP-style model); its "
                              "sigmoid loss is not implemented, only CLIP's contrastive loss")
         self.locked: dict[str, list[str]] = {}
-        for tower, on, unlocked in (("text", lock_text, lock_text_unlocked), ("visual", lock_image, lock_image_unlocked)):
+        for tower, on, unlocked in (("text", lock_text, lock_text_unlocked),
+                                    ("visual", lock_image, lock_image_unlocked)):
             if on:
                 self.locked[tower] = lock_tower(model, tower, unlocked or [])
         self._text_cache: Optional[dict[bytes, torch.Tensor]] = None

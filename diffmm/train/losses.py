@@ -108,7 +108,8 @@ class ContrastiveLoss(nn.Module):
             logits_per_text = logits_per_image.T
             labels = torch.arange(all_img.shape[0], device=image_features.device)
         # cross entropy in (at least) fp32 whatever the autocast dtype
-        return 0.5 * (F.cross_entropy(_fp32(logits_per_image), labels) + F.cross_entropy(_fp32(logits_per_text), labels))
+        return 0.5 * (F.cross_entropy(_fp32(logits_per_image), labels)
+                      + F.cross_entropy(_fp32(logits_per_text), labels))
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -139,4 +139,5 @@ class ResumableLoader:
             self.yielded = n
             yield batch
         if n < skip:  # only when the data changed between save and resume
-            warnings.warn(f"resume: epoch {epoch} has {n} batches, fewer than the {skip} already consumed", stacklevel=2)
+            warnings.warn(f"resume: epoch {epoch} has {n} batches, fewer than the {skip} already consumed",
+                          stacklevel=2)

@@ -33,7 +33,8 @@ class Zeros(io.RawIOBase):
 
 
 def _run(url, **kw):
-    loader = image_text_loader(url, 2, num_workers=0, tokenizer=lambda t: __import__("torch").tensor([[int(x)] for x in t]),
+    loader = image_text_loader(url, 2, num_workers=0,
+                               tokenizer=lambda t: __import__("torch").tensor([[int(x)] for x in t]),
                                image_size=8, train=False, rank=0, world_size=1, **kw)
     ids = [i for _, tok in loader for i in tok[:, 0].tolist()]
     return ids, loader.dataset.stats.snapshot()

@@ -120,6 +120,6 @@ def test_pipe_urls_need_an_explicit_epoch_size(tmp_path, dh):
 def test_copied_demo_style_folder_trains_after_index(tmp_path, dh):
     pattern, _ = dh.write_id_shards(str(tmp_path / "src"), [6, 6])
     shutil.copytree(tmp_path / "src", tmp_path / "dst", ignore=shutil.ignore_patterns("sizes.json"))
-    written = sizes_mod.write_sizes([str(tmp_path / "dst" / "s00-000000.tar"), str(tmp_path / "dst" / "s01-000000.tar")],
-                                    progress=False)
+    written = sizes_mod.write_sizes([str(tmp_path / "dst" / "s00-000000.tar"),
+                                     str(tmp_path / "dst" / "s01-000000.tar")], progress=False)
     assert written == {str(tmp_path / "dst" / "sizes.json"): {"s00-000000.tar": 6, "s01-000000.tar": 6}}

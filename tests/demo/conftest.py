@@ -35,7 +35,8 @@ TINY = {"clip_tiny_emoji.yaml": dict(embed_dim=16, vision_cfg=dict(image_size=16
 TINY["diffclip_tiny_emoji.yaml"], TINY["lm_diff_tiny_pydocs.yaml"] = TINY["clip_tiny_emoji.yaml"], TINY[
     "lm_transformer_tiny_pydocs.yaml"]
 for _name in ("lit_clip_tiny_emoji.yaml", "lit_diffclip_tiny_emoji.yaml", "lit_diffclip_diffminilm_tiny_emoji.yaml"):
-    TINY[_name] = dict(embed_dim=16, vision_cfg=TINY["clip_tiny_emoji.yaml"]["vision_cfg"], text_cfg=dict(context_length=16))
+    TINY[_name] = dict(embed_dim=16, vision_cfg=TINY["clip_tiny_emoji.yaml"]["vision_cfg"],
+                       text_cfg=dict(context_length=16))
 
 
 def _emoji_style(root: str, style: str, n: int, seed: int) -> None:

@@ -70,8 +70,8 @@ def test_emoji_build_from_a_style_package(tmp_path):
     counts = datasets.build_emoji(str(tmp_path / "out"), styles=["google"], size=16, npm_dir=str(src / "npm"),
                                     progress=False, emoji_test=str(src / "emoji-test.txt"),
                                     cldr_dir=str(src / "cldr"))
-    assert counts["styles"]["google"] == {"samples": 2, "missing_in_style": 1, "shards": 1,
-                                          "pattern": str(tmp_path / "out" / "emoji" / "google" / "emoji-google-000000.tar")}
+    pattern = str(tmp_path / "out" / "emoji" / "google" / "emoji-google-000000.tar")
+    assert counts["styles"]["google"] == {"samples": 2, "missing_in_style": 1, "shards": 1, "pattern": pattern}
     info = json.load(open(tmp_path / "out" / "emoji" / "classes.json"))
     assert info["groups"] == ["Smileys & Emotion", "People & Body"]
     samples = list(iter_tar_samples(counts["styles"]["google"]["pattern"], DataStats()))
@@ -135,7 +135,8 @@ def test_python_docs_corpus_splits_and_tokenizer(tmp_path):
     src = tmp_path / "_sources"
     (src / "library").mkdir(parents=True)
     for i in range(30):
-        (src / "library" / f"mod{i}.rst.txt").write_text(f":mod:`mod{i}` --- module {i}\n\nText about module {i}.\n" * 4)
+        (src / "library" / f"mod{i}.rst.txt").write_text(
+            f":mod:`mod{i}` --- module {i}\n\nText about module {i}.\n" * 4)
     info = build_python_docs(str(tmp_path / "out"), source_dir=str(src), vocab_size=300, val_every=5, progress=False)
     c = info["counts"]
     assert c["train"]["documents"] + c["val"]["documents"] == 30 and c["val"]["documents"] > 0

@@ -25,8 +25,10 @@ def test_demo_end_to_end_writes_report(demo_data, configs, tmp_path):
     assert rc == 0
     assert os.path.isfile(os.path.join(out, "demo.log"))  # empty: no step failed
     for name in ("report.md", "results.json", "clip_loss_curves.png", "lm_loss_curves.png",
-                 "lambda_per_layer.png", "needle.png", "attention/attention_0.png", "runs/diff-tiny-seed1/csv/metrics.csv",
-                 *[f"checkpoints/{m}-seed{s}.ckpt" for m in ("CLIP-Tiny", "DiffCLIP-Tiny", "diff-tiny") for s in (0, 1)]):
+                 "lambda_per_layer.png", "needle.png", "attention/attention_0.png",
+                 "runs/diff-tiny-seed1/csv/metrics.csv",
+                 *[f"checkpoints/{m}-seed{s}.ckpt" for m in ("CLIP-Tiny", "DiffCLIP-Tiny", "diff-tiny")
+                   for s in (0, 1)]):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     with open(os.path.join(out, "results.json")) as f:
         res = json.load(f)
@@ -129,7 +131,8 @@ def test_aggregation_wins_and_tables():
     part = {"models": ["base", "diff"], "metrics": [acc, loss], "runs": {
         "base": {0: {"ev": {"acc": 0.10, "loss": 2.0, "chance": 0.25}}, 1: {"ev": {"acc": 0.20, "loss": 2.0}},
                  2: {"ev": {"acc": 0.30}}},
-        "diff": {0: {"ev": {"acc": 0.15, "loss": 1.5}}, 1: {"ev": {"acc": 0.25, "loss": 2.5}}, 2: {"ev": {"acc": 0.40}}}}}
+        "diff": {0: {"ev": {"acc": 0.15, "loss": 1.5}}, 1: {"ev": {"acc": 0.25, "loss": 2.5}},
+                 2: {"ev": {"acc": 0.40}}}}}
     aggregate(part)
     s = part["summary"]["base"]
     assert s["acc"]["mean"] == pytest.approx(0.2) and s["acc"]["std"] == pytest.approx(0.1) and s["loss"]["n"] == 2

@@ -41,7 +41,8 @@ def test_demo_lit_part(demo_data, configs, tmp_path):
     assert len(rows) == 2 * 3 and all(r.endswith(("✓ |", "✗ |")) for r in rows)  # two per group
     md = open(os.path.join(out, "report.md")).read()
     assert "LiT" in md and "LiT DiffCLIP-Tiny − LiT CLIP-Tiny" in md
-    assert "| emoji (held-out art) | group | predicted |" in md and "![predictions and attention maps](lit_predictions.png)" in md
+    assert "| emoji (held-out art) | group | predicted |" in md
+    assert "![predictions and attention maps](lit_predictions.png)" in md
     # a demo checkpoint is an ordinary one: it loads with its MiniLM tower and its text tower is still locked-equal
     ckpt = os.path.join(out, "checkpoints", "LiT-DiffCLIP-Tiny-seed0.ckpt")
     model = diffmm.load_pretrained(ckpt)

@@ -70,7 +70,8 @@ def test_classifier_equals_open_clip():
     names = list(IMAGENET_CLASSNAMES[:11])
     for templates in (OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES):
         ref = open_clip.build_zero_shot_classifier(model, tok, names, templates, num_classes_per_batch=7)
-        ours = build_zero_shot_classifier(model, tok, names, get_templates("openai" if len(templates) == 80 else "simple"))
+        ours = build_zero_shot_classifier(model, tok, names,
+                                          get_templates("openai" if len(templates) == 80 else "simple"))
         assert ours.shape == (32, 11)
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
     # string templates from a file path through the same code
@@ -113,7 +114,7 @@ def test_streams_thousands_with_progress_and_bounded_memory(capsys):
 
         def __iter__(self):
             rng = np.random.default_rng(0)
-            for start in range(0, n, bs):
+            for _ in range(0, n, bs):
                 y = rng.integers(0, C2, bs)
                 imgs = torch.full((bs, 3, 8, 8), 7 / 255)
                 imgs[:, 0, 0, 0] = torch.tensor(y, dtype=torch.float32) / 255  # always right

@@ -125,7 +125,8 @@ def test_forward_interface_and_logit_scale():
     torch.testing.assert_close(out["image_features"], m.encode_image(img))
     with torch.no_grad():
         m.logit_scale.fill_(10.0)
-    assert math.isclose(m(img, txt)["logit_scale"].item(), math.exp(10.0), rel_tol=1e-6)  # unclamped, as open_clip's forward
+    # unclamped, as open_clip's forward
+    assert math.isclose(m(img, txt)["logit_scale"].item(), math.exp(10.0), rel_tol=1e-6)
     assert m.logit_scale_value().item() == 100.0  # diffmm's training and evaluation clamp
     assert m(image=img)["text_features"] is None
 

@@ -1,4 +1,6 @@
 """Every diffmm attention backend against the float64 reference, forward and backward."""
+import functools
+
 import pytest
 import torch
 
@@ -52,11 +54,12 @@ def test_backend_matches_reference_fp64(name, fn, causal, case):
     extra = {}
     if case == "norm":
         extra = dict(norm_weight=torch.rand(2 * q.shape[-1], dtype=F64) + 0.5, lambda_init=0.356)
-    ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=causal, attn_mask=mask, **extra)
+    ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=causal, attn_mask=mask,
+                                       **extra)
     out, grads = run_and_grads(fn, q, k, v, lam, causal=causal, attn_mask=mask, **extra)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
     for n, a, b in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m, n=n: f"grad {n}: {m}")
     torch.testing.assert_close(grads[3], ref_grads[3], atol=1e-9, rtol=1e-9)
 
 
@@ -86,7 +89,7 @@ def test_every_layout_matches_reference_with_norm_weight(layout, mask, h, d):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for n, a, b in zip(["q", "k", "v", "lam", "w"], torch.autograd.grad((out * dy).sum(), (q, k, v, lam, w)),
                        torch.autograd.grad((ref * dy).sum(), (q, k, v, lam, w))):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
 def test_combined_chunks_never_read_unwritten_memory(monkeypatch):
@@ -104,7 +107,7 @@ def test_combined_chunks_never_read_unwritten_memory(monkeypatch):
     monkeypatch.undo()
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
     for n, a, b in zip(["q", "k", "v", "lam"], grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
@@ -147,7 +150,7 @@ def test_combined_layout_in_many_chunks_matches_reference(monkeypatch, causal, c
                                causal=causal, attn_mask=mask, **extra)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
     for n, a, b in zip(["q", "k", "v", "lam"], grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"grad {n}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
 @pytest.mark.parametrize("path", ["maps-kept", "chunked"])
@@ -174,7 +177,7 @@ def test_combined_paths_with_norm_weight_match_reference(monkeypatch, path, caus
         gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
         outs.append((out, *torch.autograd.grad((out * gy).sum(), leaves)))
     for name, a, b in zip(["out", "q", "k", "v", "lam", "w", "lambda_init"], outs[1], outs[0]):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_combined_layout_memory_does_not_store_maps(monkeypatch):
@@ -247,7 +250,7 @@ def test_fully_masked_rows_are_zero_and_gradients_finite():
     q, k, v, lam, _ = make_inputs(B=1, N=4, S=4, h=2, h_kv=2, d=4)
     mask = torch.tensor([[False, False, True, True]])  # left padding: causal rows 0 and 1 see no key
     for backend in ["reference", "sdpa"]:
-        out, grads = run_and_grads(lambda *a, **kw: ops.diff_attention(*a, backend=backend, **kw), q, k, v, lam,
+        out, grads = run_and_grads(functools.partial(ops.diff_attention, backend=backend), q, k, v, lam,
                                    causal=True, attn_mask=mask)
         assert torch.all(out[:, :2] == 0)
         assert all(torch.isfinite(g).all() for g in grads)
@@ -337,7 +340,8 @@ def test_bad_shapes_give_one_line_errors(bad, match):
 
 
 @pytest.mark.parametrize("mask,match", [
-    (torch.ones(2, 12, dtype=torch.bool), r"attn_mask \(bool key-padding\) has shape \(2, 12\); expected \(B, S\) = \(2, 13\)"),
+    (torch.ones(2, 12, dtype=torch.bool),
+     r"attn_mask \(bool key-padding\) has shape \(2, 12\); expected \(B, S\) = \(2, 13\)"),
     (torch.zeros(3, 1, 13, 13), r"attn_mask \(additive float\) has shape \(3, 1, 13, 13\); expected broadcastable"),
     (torch.ones(2, 13, dtype=torch.int64), r"attn_mask has dtype torch.int64; expected bool"),
 ])

@@ -60,10 +60,11 @@ def test_masked_rows_agree_across_backends(dtype, mask_dtype):
         out = fn(q, k, v, lam, attn_mask=mask, lambda_init=0.3)
         grads = torch.autograd.grad((out * dy).sum(), (q, k, v, lam))
         assert torch.all(out[:, 1:4] == 0), f"{name}: fully masked rows must output 0"
-        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
         for n, a, b in zip("qkvl", grads, ref_grads):
             assert torch.isfinite(a).all(), f"{name}: grad {n} not finite"
-            torch.testing.assert_close(a.double(), b, atol=tol * 5, rtol=tol * 5, msg=lambda m: f"{name} grad {n}: {m}")
+            torch.testing.assert_close(a.double(), b, atol=tol * 5, rtol=tol * 5,
+                                       msg=lambda m, name=name, n=n: f"{name} grad {n}: {m}")
         assert torch.all(grads[0][:, 1:4] == 0), f"{name}: masked rows must get zero dq"
 
 

@@ -90,7 +90,8 @@ def test_dry_run_runs_every_part(tmp_path):
     assert result["meta"]["optional_modules_imported"] == []
     parts = result["parts"]
     assert list(parts) == list(gpu_check.PARTS)
-    assert all(p["status"] == "ok" for p in parts.values()), {k: (p["status"], p.get("reason")) for k, p in parts.items()}
+    assert all(p["status"] == "ok" for p in parts.values()), {k: (p["status"], p.get("reason"))
+                                                              for k, p in parts.items()}
 
     corr = parts["correctness"]
     assert len(corr["rows"]) == 2 * 5 and all(r["status"] == "pass" for r in corr["rows"])

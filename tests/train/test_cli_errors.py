@@ -50,7 +50,8 @@ def test_missing_shards_is_one_line(tmp_path, capsys, base_cfg):
     rc, err = _run(tmp_path, capsys, cfg)
     lines = _short(err)
     assert rc == 2 and len(lines) == 1, err
-    assert lines[0].startswith("diffmm fit: error: data.train_shards: 3 shard(s) not found:") and "nowhere-000.tar" in lines[0]
+    assert lines[0].startswith("diffmm fit: error: data.train_shards: 3 shard(s) not found:")
+    assert "nowhere-000.tar" in lines[0]
 
 
 def test_unknown_model_name(tmp_path, capsys, base_cfg):
@@ -90,4 +91,5 @@ def test_bad_pretrained_weights_are_one_line(tmp_path, capsys, image_text_data, 
     rc, err = _run(tmp_path, capsys, cfg, "--model.init_args.pretrained", str(path))
     lines = _short(err)
     assert rc == 2 and len(lines) == 1 and str(path) in lines[0], err
-    assert ("wrong dtype: text_projection is int64" if bad == "int64" else "not a readable safetensors file") in lines[0]
+    expected = "wrong dtype: text_projection is int64" if bad == "int64" else "not a readable safetensors file"
+    assert expected in lines[0]

@@ -23,10 +23,11 @@ def test_two_process_ddp_fit(tmp_path, image_text_data):
     cfg["model"]["init_args"]["local_loss"] = True
     cfg["data"]["init_args"]["val_batch_size"] = 8  # 16 val samples: one equal batch per rank
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "diffmm.cli", "fit", "--config", write_yaml(tmp_path / "ddp.yaml", cfg)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "diffmm.cli", "fit", "--config",
+                          write_yaml(tmp_path / "ddp.yaml", cfg)], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "distributed_backend=gloo" in out.stderr + out.stdout and "All distributed processes registered" in out.stderr + out.stdout
+    log = out.stderr + out.stdout
+    assert "distributed_backend=gloo" in log and "All distributed processes registered" in log
     state = torch.load(os.path.join(root, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=False)
     [position] = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # the training loader's data position
     assert state["global_step"] == 4 and position["world_size"] == 2
@@ -46,8 +47,8 @@ def test_ddp_nan_loss_on_one_rank_stops_every_rank(tmp_path, image_text_data):
     cfg["checkpoint"] = {"every_n_train_steps": 1}
     cfg["trainer"]["callbacks"] = [{"class_path": "train_helpers.NaNLossAt", "init_args": {"steps": [3], "rank": 1}}]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "diffmm.cli", "fit", "--config", write_yaml(tmp_path / "nan.yaml", cfg)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "diffmm.cli", "fit", "--config",
+                          write_yaml(tmp_path / "nan.yaml", cfg)], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 3, out.stderr[-4000:]
     assert "diffmm fit: error: non-finite loss (nan) at step 3" in out.stderr
     state = torch.load(os.path.join(root, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=True)

@@ -68,7 +68,8 @@ def test_nan_loss_stops_before_the_update_and_keeps_the_checkpoints(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == DIVERGED_EXIT_CODE
     last = os.path.join(root, "checkpoints", "last.ckpt")
-    assert "non-finite loss (nan) at step 3 (epoch 0): training stopped before the update; last good checkpoint: " in err
+    assert ("non-finite loss (nan) at step 3 (epoch 0): training stopped before the update; "
+            "last good checkpoint: ") in err
     assert "(step 3)" in err and "checkpoints" in err
     ckpts = _checkpoints(root)
     assert ckpts["last.ckpt"]["global_step"] == 3 and all(_finite(c) for c in ckpts.values())
@@ -107,7 +108,8 @@ def test_nan_weights_are_never_written(tmp_path, capsys, caplog, image_text_data
     """Weights turn NaN after a finite loss: no checkpoint is written from then on (last.ckpt keeps step 2),
     and the guard stops at the next step naming that checkpoint."""
     root = str(tmp_path / "run")
-    cfg = _cfg("clip", root, image_text_data, 6, [{"class_path": "train_helpers.NaNWeightsAt", "init_args": {"step": 3}}])
+    cfg = _cfg("clip", root, image_text_data, 6,
+               [{"class_path": "train_helpers.NaNWeightsAt", "init_args": {"step": 3}}])
     with caplog.at_level(logging.WARNING, logger="diffmm.train"):
         rc = main(["fit", "--config", write_yaml(tmp_path / "c.yaml", cfg)])
     assert rc == DIVERGED_EXIT_CODE

@@ -101,7 +101,8 @@ def test_data_value_that_contradicts_the_model_is_an_error(tmp_path, capsys, con
 def test_data_module_without_the_cli_defaults_to_openai_and_checks_its_values(image_text_data):
     dm = ImageTextDataModule(*image_text_data, batch_size=4, num_workers=0, image_size=16, context_length=16)
     assert (dm.image_mean, dm.image_std, dm.truncate) == (OPENAI_MEAN, OPENAI_STD, "eot")
-    for kwargs, key in (({"image_mean": (0.5, 0.5)}, "data.image_mean"), ({"image_std": (0.5, 0.0, 0.5)}, "data.image_std"),
+    for kwargs, key in (({"image_mean": (0.5, 0.5)}, "data.image_mean"),
+                        ({"image_std": (0.5, 0.0, 0.5)}, "data.image_std"),
                         ({"truncate": "middle"}, "data.truncate")):
         with pytest.raises(ConfigError, match=key):
             ImageTextDataModule(*image_text_data, num_workers=0, **kwargs)

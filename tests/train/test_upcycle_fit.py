@@ -79,7 +79,8 @@ def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywh
 
 def test_pretrained_standard_weights_into_a_diffclip_name_points_at_swap(tmp_path, image_text_data, capsys):
     pre = _open_clip_file(tmp_path / "clip.pt")
-    assert fit_main(["fit", "--config", _config(tmp_path, image_text_data, "bad", pre, model_name="DiffCLIP-Tiny")]) == 2
+    cfg = _config(tmp_path, image_text_data, "bad", pre, model_name="DiffCLIP-Tiny")
+    assert fit_main(["fit", "--config", cfg]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("diffmm fit: error:") and "holds standard-attention weights" in err and "swap" in err
 

@@ -39,7 +39,8 @@ def clip_config(root: str, image_text_data, max_steps: int = 30, model_name: str
     """A CLIP fit config; ``model_name=None`` uses the test-only stand-in model of train_helpers."""
     train, val = image_text_data
     if model_name is None:
-        model = {"model": {"class_path": "train_helpers.TinyCLIP", "init_args": {"image_size": 16, "context_length": 16}}}
+        model = {"model": {"class_path": "train_helpers.TinyCLIP",
+                           "init_args": {"image_size": 16, "context_length": 16}}}
     else:
         model = {"model_name": model_name, "model_kwargs": SHRINK}
     return {

@@ -140,7 +140,8 @@ class HFTextTower(nn.Module):
             self.proj = nn.Linear(d, embed_dim, bias=False)
         elif cfg.hf_proj_type == "mlp":
             hidden = (d + embed_dim) // 2
-            self.proj = nn.Sequential(nn.Linear(d, hidden, bias=False), nn.GELU(), nn.Linear(hidden, embed_dim, bias=False))
+            self.proj = nn.Sequential(nn.Linear(d, hidden, bias=False), nn.GELU(),
+                                      nn.Linear(hidden, embed_dim, bias=False))
         elif d == embed_dim:
             self.proj = nn.Identity()
         else:
