@@ -251,7 +251,7 @@ def _zoology_batch(task: RecallTask, batch_size: int, rs: np.random.RandomState,
 def zoology_multiquery_ar(vocab_size: int, num_examples: int, input_seq_len: int, seed: int, power_a: float = 0.01,
                           num_kv_pairs: int = 8, random_non_queries: bool = True,
                           torch_seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, labels)`` (num_examples, input_seq_len) as Zoology's ``multiquery_ar`` with these arguments draws them.
+    """``(inputs, labels)`` (num_examples, input_seq_len) as Zoology's ``multiquery_ar`` draws them for these arguments.
 
     Zoology seeds numpy's global legacy generator with ``seed`` and takes the filler from torch's global one;
     here both are local (``np.random.RandomState(seed)``, a ``torch.Generator`` seeded with ``torch_seed``,

@@ -1,5 +1,5 @@
 """The MQAR generator: answers are the values of the queried keys, determinism by seed, the noise knob, errors; the
-Zoology sampler: its layout and vocabulary, the published draw order bit for bit, the power law, the query-order bias."""
+Zoology sampler: layout and vocabulary, the published draw order bit for bit, the power law, the query-order bias."""
 from __future__ import annotations
 
 import numpy as np
@@ -248,3 +248,16 @@ def test_task_grid_passes_the_sampler():
         task_grid(64, [16], [4], sampler="zoology", num_queries=2)
     with pytest.raises(ValueError, match="sampler must be one of"):
         task_grid(64, [16], [4], sampler="uniform")
+
+
+def test_samplers_draw_the_same_query_slots_and_differ_in_the_order():
+    def slot_stats(sampler):
+        task = RecallTask(vocab_size=64, seq_len=64, num_pairs=4, sampler=sampler)
+        b = make_recall_batch(task, 6000, seed=0)
+        slots = ((b.query_pos - task.context_len) // 2).numpy()  # (B, 4) ascending
+        occupied = np.bincount(slots.ravel(), minlength=task.slots) / 6000
+        return occupied, float((b.query_pair[:, 0] == 0).float().mean())
+
+    (occ_ours, first_ours), (occ_zoo, first_zoo) = slot_stats("diffmm"), slot_stats("zoology")
+    np.testing.assert_allclose(occ_ours, occ_zoo, atol=0.025)  # the same law, without replacement, for the slot set
+    assert abs(first_ours - 0.25) < 0.02 and first_zoo > 0.3  # which pair sits where: the one difference
