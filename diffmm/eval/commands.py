@@ -286,10 +286,10 @@ def needle(*, lm: str, tokenizer: Optional[str] = None, haystack: Sequence[str] 
 @shared_docs
 def recall(*, lm: str, vocab: Optional[int] = None, seq_len: Sequence[int] = (64, 128, 256, 512),
            pairs: Sequence[int] = (4, 8, 16, 32), queries: Optional[int] = None, noise: float = 1.0,
-           query_power: float = 0.01, examples: int = 256, batch_size: int = 32, attention: bool = True,
-           attention_examples: int = 64, label: Optional[str] = None, plot: Optional[str] = None, seed: int = 0,
-           trust_pickle: bool = False, device: str = "auto", out: Optional[str] = None, md: Optional[str] = None,
-           progress: bool = True) -> dict:
+           query_power: float = 0.01, sampler: Literal["diffmm", "zoology"] = "diffmm", examples: int = 256,
+           batch_size: int = 32, attention: bool = True, attention_examples: int = 64, label: Optional[str] = None,
+           plot: Optional[str] = None, seed: int = 0, trust_pickle: bool = False, device: str = "auto",
+           out: Optional[str] = None, md: Optional[str] = None, progress: bool = True) -> dict:
     """Associative recall (MQAR): accuracy per sequence length x pairs, attention share on the answer, net mass.
 
     Args:
@@ -299,6 +299,8 @@ def recall(*, lm: str, vocab: Optional[int] = None, seq_len: Sequence[int] = (64
         queries: queries per sequence (default: every pair).
         noise: probability of a random key/value filler token.
         query_power: query offset law p(i) ~ i^(a-1); 1 = uniform.
+        sampler: diffmm (queried pairs in random order) or zoology (Zoology's multiquery_ar as published: every
+            pair queried, pair j at the j-th slot drawn, so early pairs are asked first more often).
         examples: sequences per setting.
         attention: also measure the attention shares.
         attention_examples: sequences per setting for the attention shares.
@@ -311,7 +313,8 @@ def recall(*, lm: str, vocab: Optional[int] = None, seq_len: Sequence[int] = (64
     vocab = vocab or getattr(getattr(net, "config", None), "vocab_size", None)
     if vocab is None:
         raise EvalError(f"{lm}: the model has no config.vocab_size; give --vocab")
-    tasks = tasks_from_grid(vocab, seq_len, pairs, noise=noise, num_queries=queries, query_power=query_power)
+    tasks = tasks_from_grid(vocab, seq_len, pairs, noise=noise, num_queries=queries, query_power=query_power,
+                            sampler=sampler)
     res = evaluate_recall(net, tasks, examples=examples, batch_size=batch_size, seed=seed,
                           measure_attention=attention, attention_examples=attention_examples, show_progress=progress)
     if plot:

@@ -18,6 +18,11 @@ set of generated sequences is scored:
 
 The **retrieval layer** of a model is its layer with the largest answer share (mean over heads and
 settings); its shares are the headline "signal vs noise" numbers.
+
+Each setting also carries two chance levels: ``chance`` = 1/N (a random value from the context) and
+``rank_chance``, the score of answering by the query's rank alone
+(:func:`~diffmm.data.recall.query_order_stats`): 1/N for the ``diffmm`` sampler, higher for ``zoology``'s,
+whose early queries favour early pairs.
 """
 from __future__ import annotations
 
@@ -31,13 +36,14 @@ import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from diffmm.data.recall import IGNORE, RecallBatch, RecallTask, eval_batches, task_grid
+from diffmm.data.recall import IGNORE, RecallBatch, RecallTask, eval_batches, query_order_stats, task_grid
 from diffmm.eval.attention_capture import AttentionRecord, AttentionRecorder
 from diffmm.eval.common import EvalError, markdown_table, model_device
 from diffmm.eval.lm_utils import lm_logits
 from diffmm.eval.plots import save_figure
 
 PARTS = ("answer", "distractor_pairs", "rest")
+ORDER_EXAMPLES = 2048  # sequences per setting behind ``rank_chance``
 log = logging.getLogger("diffmm.eval")
 
 
@@ -105,6 +111,8 @@ class TaskResult:
     queries: int
     sequences: int
     attention: dict = field(default_factory=dict)  # part -> per-layer share (mean over heads); "per_head"
+    chance: float = 0.0  # 1/N
+    rank_chance: float = 0.0  # answering by the query's rank alone (query_order_stats)
 
 
 @dataclass
@@ -148,6 +156,8 @@ class RecallResult:
 
     def to_dict(self) -> dict:
         return {"accuracy": self.accuracy, "seed": self.seed, "seconds": self.seconds,
+                "chance": float(np.mean([t.chance for t in self.tasks])),
+                "rank_chance": float(np.mean([t.rank_chance for t in self.tasks])),
                 "accuracy_by_task": {t.name: t.accuracy for t in self.tasks},
                 "accuracy_by_seq_len": {str(k): v for k, v in self.accuracy_by("seq_len").items()},
                 "accuracy_by_pairs": {str(k): v for k, v in self.accuracy_by("num_pairs").items()},
@@ -156,21 +166,26 @@ class RecallResult:
     def to_markdown(self, name: str = "model") -> str:
         att = self.attention_summary()
         layer = att.get("retrieval_layer")
-        headers = ["setting", "seq len", "pairs", "queries", "accuracy", "all queries right"]
+        headers = ["setting", "seq len", "pairs", "queries", "accuracy", "all queries right", "chance (1/N)",
+                   "chance by query rank"]
         if layer is not None:
             headers += [f"answer share (layer {layer})", "distractor pairs", "rest", "net"]
         rows = []
         for t in self.tasks:
-            row = [t.name, t.task["seq_len"], t.task["num_pairs"], t.queries, t.accuracy, t.sequence_accuracy]
+            row = [t.name, t.task["seq_len"], t.task["num_pairs"], t.queries, t.accuracy, t.sequence_accuracy,
+                   t.chance, t.rank_chance]
             if layer is not None:
                 row += [t.attention[p][layer] if t.attention else float("nan") for p in (*PARTS, "net")]
             rows.append(row)
         mean = ["mean", "", "", sum(t.queries for t in self.tasks), self.accuracy,
-                float(np.mean([t.sequence_accuracy for t in self.tasks]))]
+                float(np.mean([t.sequence_accuracy for t in self.tasks])),
+                float(np.mean([t.chance for t in self.tasks])), float(np.mean([t.rank_chance for t in self.tasks]))]
         if layer is not None:
             mean += [att[p] for p in (*PARTS, "net")]
         rows.append(mean)
-        return f"Associative recall (MQAR): {name}, seed {self.seed}\n\n" + markdown_table(headers, rows, ".3f")
+        sampler = self.tasks[0].task.get("sampler", "diffmm") if self.tasks else "diffmm"
+        return (f"Associative recall (MQAR, {sampler} sampling): {name}, seed {self.seed}\n\n"
+                + markdown_table(headers, rows, ".3f"))
 
 
 def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, examples: int = 256, batch_size: int = 32,
@@ -220,8 +235,10 @@ def evaluate_recall(model: torch.nn.Module, tasks: Sequence[RecallTask], *, exam
                 share["net"] = share.pop("total")
                 att = {p: share[p].mean(1).tolist() for p in (*PARTS, "net")}
                 att["per_head"] = {p: share[p].tolist() for p in (*PARTS, "net")}
+            order = query_order_stats(task, ORDER_EXAMPLES, seed)
             results.append(TaskResult(task.to_dict(), task.name, float(h.float().mean()),
-                                      float(h.all(1).float().mean()), int(h.numel()), int(h.shape[0]), att))
+                                      float(h.all(1).float().mean()), int(h.numel()), int(h.shape[0]), att,
+                                      order["uniform_chance"], order["rank_chance"]))
     finally:
         bar.close()
         model.train(was_training)

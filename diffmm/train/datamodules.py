@@ -14,14 +14,14 @@ saves their position (epoch, batches consumed) in every checkpoint through the s
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import pytorch_lightning as pl
 import torch
 
 from diffmm.data.decode import MAX_IMAGE_PIXELS
 from diffmm.data.image_text import ImageTextDataset
-from diffmm.data.recall import RecallStream, RecallTask, eval_batches, task_grid
+from diffmm.data.recall import SAMPLERS, RecallStream, RecallTask, eval_batches, task_grid
 from diffmm.data.stream import ShardLoader
 from diffmm.data.tar_reader import MAX_MEMBER_BYTES, PIPE_TIMEOUT
 from diffmm.data.text import TextDataset
@@ -333,6 +333,8 @@ class RecallDataModule(pl.LightningDataModule):
         noise: distractor level (probability of a random key/value token on a filler position).
         num_queries: queries per sequence (capped at the pairs); None = every pair.
         query_power: query-offset law exponent (Zoology 0.01; 1 = uniform).
+        sampler: ``diffmm`` (queried pairs in random order) or ``zoology`` (Zoology's published
+            ``multiquery_ar``: every pair queried, early pairs asked first more often; :mod:`diffmm.data.recall`).
         val_seq_lens, val_num_pairs: validation grid (default the training grid).
         val_examples: validation sequences per setting.
         batch_size, val_batch_size: sequences per batch.
@@ -345,7 +347,8 @@ class RecallDataModule(pl.LightningDataModule):
 
     def __init__(self, vocab_size: Optional[int] = None, seq_lens: list[int] = (64, 128),
                  num_pairs: list[int] = (4, 8, 16), noise: float = 1.0, num_queries: Optional[int] = None,
-                 query_power: float = 0.01, val_seq_lens: Optional[list[int]] = None,
+                 query_power: float = 0.01, sampler: Literal["diffmm", "zoology"] = "diffmm",
+                 val_seq_lens: Optional[list[int]] = None,
                  val_num_pairs: Optional[list[int]] = None, val_examples: int = 256, batch_size: int = 32,
                  val_batch_size: Optional[int] = None, batch_tokens: Optional[int] = None, num_workers: int = 0,
                  seed: int = 0, context_length: Optional[int] = None) -> None:
@@ -353,8 +356,10 @@ class RecallDataModule(pl.LightningDataModule):
         if min(batch_size, val_batch_size or 1, batch_tokens or 1) < 1 or val_examples < 0:
             raise ConfigError(f"data: batch_size, val_batch_size and batch_tokens must be >= 1 and val_examples >= 0, "
                               f"got {batch_size}, {val_batch_size}, {batch_tokens}, {val_examples}")
+        if sampler not in SAMPLERS:
+            raise ConfigError(f"data.sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.grid = dict(seq_lens=list(seq_lens), num_pairs=list(num_pairs), noise=float(noise),
-                         num_queries=num_queries, query_power=float(query_power))
+                         num_queries=num_queries, query_power=float(query_power), sampler=sampler)
         self.val_grid = dict(self.grid, seq_lens=list(val_seq_lens or seq_lens), num_pairs=list(val_num_pairs or num_pairs))
         self.val_examples, self.batch_size, self.val_batch_size = val_examples, batch_size, val_batch_size or batch_size
         self.batch_tokens, self.num_workers, self.seed = batch_tokens, num_workers, seed
@@ -415,10 +420,11 @@ class RecallDataModule(pl.LightningDataModule):
             return {}
         done = int(self.trainer.fit_loop.epoch_loop.batch_progress.total.processed)
         return {"batches": done, "seed": self.seed, "batch_size": self.batch_size, "batch_tokens": self.batch_tokens,
-                "tasks": [t.name for t in self.train_tasks]}
+                "tasks": [t.name for t in self.train_tasks], "sampler": self.grid["sampler"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, now in (("seed", self.seed), ("batch_size", self.batch_size), ("batch_tokens", self.batch_tokens),
+                         ("sampler", self.grid["sampler"]),
                          ("tasks", [t.name for t in self.train_tasks] or state.get("tasks"))):
             if key in state and state[key] != now:
                 log.warning("resume: data.%s changed since the checkpoint (%s -> %s); the batches differ from "

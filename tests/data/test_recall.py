@@ -1,4 +1,5 @@
-"""The MQAR generator: answers are the values of the queried keys, determinism by seed, the noise knob, errors."""
+"""The MQAR generator: answers are the values of the queried keys, determinism by seed, the noise knob, errors; the
+Zoology sampler: layout and vocabulary, the published draw order bit for bit, the power law, the query-order bias."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from diffmm.data.recall import (BLANK, IGNORE, RecallStream, RecallTask, eval_batches, make_recall_batch,
-                                task_grid)
+                                query_order_stats, task_grid, zoology_multiquery_ar)
 
 
 def _check_batch(b, task):
@@ -21,7 +22,7 @@ def _check_batch(b, task):
         # the block: k1 v1 k2 v2 ..., distinct keys from the key range, distinct values from the value range
         assert x[0:2 * N:2] == keys and x[1:2 * N:2] == values
         assert len(set(keys)) == N and len(set(values)) == N
-        assert all(1 <= k <= K for k in keys) and all(K < v < task.vocab_size for v in values)
+        assert all(1 <= k <= K for k in keys) and all(task.first_value <= v < task.vocab_size for v in values)
         lookup = dict(zip(keys, values))
         # targets: exactly the query positions, each the value of the key sitting there
         answered = [t for t in range(T) if y[t] != IGNORE]
@@ -130,3 +131,133 @@ def test_stream_weights_pick_the_settings():
     ds = RecallStream(tasks, 2, seed=0, weights=[3.0, 1.0])
     share = np.mean([ds.task_of(n).seq_len == 32 for n in range(2000)])
     assert abs(share - 0.75) < 0.04
+
+
+# ----- Zoology's multiquery_ar sampling (sampler="zoology") ------------------------------------------------------
+def zoology_law(slots, a):
+    """Zoology's documented query-gap law p(i) ~ a * i^(a-1), i = 1..slots (written here from its docstring)."""
+    w = np.array([a * i ** (a - 1) for i in range(1, slots + 1)])
+    return w / w.sum()
+
+
+def zoology_reference(vocab, examples, seq_len, seed, power_a, pairs, torch_seed):
+    """The published draw order, through numpy's and torch's global generators as Zoology uses them: keys of every
+    sequence, then values, then the query gaps (weighted, without replacement; key j at the j-th gap), then a
+    full grid of random tokens kept on the zero positions."""
+    np.random.seed(seed)
+    half, ctx = vocab // 2, 2 * pairs
+    keys = np.array([np.random.choice(np.arange(1, half), pairs, replace=False) for _ in range(examples)])
+    vals = np.array([np.random.choice(np.arange(half, vocab), pairs, replace=False) for _ in range(examples)])
+    space = (seq_len - ctx) // 2
+    gaps = np.array([np.random.choice(space, pairs, replace=False, p=zoology_law(space, power_a))
+                     for _ in range(examples)])
+    x = np.zeros((examples, seq_len), dtype=np.int64)
+    y = np.full((examples, seq_len), -100, dtype=np.int64)
+    x[:, 0:ctx:2], x[:, 1:ctx:2] = keys, vals
+    for i in range(examples):
+        x[i, ctx + 2 * gaps[i]] = keys[i]
+        y[i, ctx + 2 * gaps[i]] = vals[i]
+    x = torch.tensor(x)
+    torch.manual_seed(torch_seed)
+    noise = torch.randint(vocab, size=x.shape)
+    x[x == 0] = noise[x == 0]
+    return x, torch.tensor(y)
+
+
+@pytest.mark.parametrize("task", [RecallTask(vocab_size=64, seq_len=16, num_pairs=4, sampler="zoology"),
+                                  RecallTask(vocab_size=17, seq_len=40, num_pairs=4, noise=0.0, sampler="zoology"),
+                                  RecallTask(vocab_size=256, seq_len=128, num_pairs=8, query_power=1.0,
+                                             sampler="zoology")])
+def test_zoology_layout_labels_and_vocabulary(task):
+    b = make_recall_batch(task, 32, seed=1, index=4)
+    V = task.vocab_size
+    assert task.queries == task.num_pairs and task.first_value == V // 2  # every pair asked; Zoology's split
+    assert ((b.keys >= 1) & (b.keys < V // 2)).all() and ((b.values >= V // 2) & (b.values < V)).all()
+    _check_batch(b, task)
+    assert sorted(b.query_pair[0].tolist()) == list(range(task.num_pairs))
+
+
+def test_zoology_matches_the_published_draw_order_bit_for_bit():
+    for vocab, length, pairs, a, seed in [(64, 16, 4, 0.01, 0), (8192, 128, 8, 0.01, 3), (100, 64, 16, 0.5, 7)]:
+        x, y = zoology_multiquery_ar(vocab, 50, length, seed, power_a=a, num_kv_pairs=pairs, torch_seed=11)
+        rx, ry = zoology_reference(vocab, 50, length, seed, a, pairs, torch_seed=11)
+        torch.testing.assert_close(x, rx, rtol=0, atol=0)
+        torch.testing.assert_close(y, ry, rtol=0, atol=0)
+    x0, _ = zoology_multiquery_ar(64, 20, 32, 0, num_kv_pairs=4, random_non_queries=False)
+    for row in x0:  # without random fillers: after the pairs, only the four keys again, and blanks
+        assert sorted(row[8:][row[8:] != BLANK].tolist()) == sorted(row[0:8:2].tolist())
+
+
+def test_zoology_deterministic_by_seed_index_and_split():
+    task = RecallTask(vocab_size=64, seq_len=64, num_pairs=8, noise=0.25, sampler="zoology")
+    a, b = make_recall_batch(task, 8, seed=1, index=2), make_recall_batch(task, 8, seed=1, index=2)
+    for f in ("inputs", "targets", "keys", "values", "query_pos", "query_pair"):
+        assert torch.equal(getattr(a, f), getattr(b, f))
+    for other in (make_recall_batch(task, 8, seed=1, index=3), make_recall_batch(task, 8, seed=2, index=2),
+                  make_recall_batch(task, 8, seed=1, index=2, split="eval")):
+        assert not torch.equal(a.inputs, other.inputs)
+    ours = make_recall_batch(RecallTask(vocab_size=64, seq_len=64, num_pairs=8, noise=0.25), 8, seed=1, index=2)
+    assert not torch.equal(a.inputs, ours.inputs)
+
+
+def test_zoology_query_slots_follow_the_power_law_in_draw_order():
+    task = RecallTask(vocab_size=64, seq_len=64, num_pairs=4, sampler="zoology")
+    b = make_recall_batch(task, 6000, seed=0)
+    first_slot = (b.query_pos[b.query_pair == 0] - task.context_len) // 2  # pair 0 sits at the first slot drawn
+    freq = np.bincount(first_slot.numpy(), minlength=task.slots) / 6000
+    np.testing.assert_allclose(freq, zoology_law(task.slots, 0.01), atol=0.02)
+
+
+def test_query_order_bias_zoology_vs_ours():
+    p0 = zoology_law(4, 0.01)[0]  # 4 pairs in 16 tokens fill the 4 slots: pair 0 is asked first iff drawn at slot 1
+    zoo = query_order_stats(RecallTask(vocab_size=64, seq_len=16, num_pairs=4, sampler="zoology"), 8000, seed=0)
+    ours = query_order_stats(RecallTask(vocab_size=64, seq_len=16, num_pairs=4), 8000, seed=0)
+    assert abs(p0 - 0.478) < 0.001
+    assert abs(zoo["first_asks_first_pair"] - p0) < 0.017 and abs(ours["first_asks_first_pair"] - 0.25) < 0.015
+    assert zoo["rank_chance"] > 0.35 and abs(ours["rank_chance"] - 0.25) < 0.02  # the order gives answers away
+    assert zoo["uniform_chance"] == ours["uniform_chance"] == 0.25
+
+
+def test_zoology_filler_is_the_whole_vocabulary():
+    task = RecallTask(vocab_size=16, seq_len=256, num_pairs=4, noise=1.0, sampler="zoology")
+    b = make_recall_batch(task, 64, seed=0)
+    keep = torch.ones_like(b.inputs, dtype=torch.bool)
+    keep[:, :task.context_len] = False
+    keep[torch.arange(64)[:, None], b.query_pos] = False
+    counts = torch.bincount(b.inputs[keep], minlength=16).double() / keep.sum()
+    assert counts.min() > 0.04 and counts.max() < 0.09  # uniform over 0..15, the blank included
+    half = make_recall_batch(RecallTask(vocab_size=16, seq_len=256, num_pairs=4, noise=0.5, sampler="zoology"), 64)
+    blank_share = float((half.inputs[keep] == BLANK).double().mean())
+    assert abs(blank_share - (0.5 + 0.5 / 16)) < 0.02  # kept blank, or replaced by a drawn 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sampler="zoo"), "sampler must be one of"),
+    (dict(num_pairs=4, num_queries=2, sampler="zoology"), "num_queries must be None"),
+    (dict(vocab_size=17, num_pairs=8, sampler="zoology"), "vocab_size >= 18"),
+])
+def test_zoology_bad_settings_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RecallTask(**kwargs)
+
+
+def test_task_grid_passes_the_sampler():
+    tasks, _ = task_grid(64, [16, 32], [2, 4], sampler="zoology", noise=0.25)
+    assert {t.sampler for t in tasks} == {"zoology"} and len(tasks) == 4
+    with pytest.raises(ValueError, match="sampler 'zoology' queries every pair"):
+        task_grid(64, [16], [4], sampler="zoology", num_queries=2)
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        task_grid(64, [16], [4], sampler="uniform")
+
+
+def test_samplers_draw_the_same_query_slots_and_differ_in_the_order():
+    def slot_stats(sampler):
+        task = RecallTask(vocab_size=64, seq_len=64, num_pairs=4, sampler=sampler)
+        b = make_recall_batch(task, 6000, seed=0)
+        slots = ((b.query_pos - task.context_len) // 2).numpy()  # (B, 4) ascending
+        occupied = np.bincount(slots.ravel(), minlength=task.slots) / 6000
+        return occupied, float((b.query_pair[:, 0] == 0).float().mean())
+
+    (occ_ours, first_ours), (occ_zoo, first_zoo) = slot_stats("diffmm"), slot_stats("zoology")
+    np.testing.assert_allclose(occ_ours, occ_zoo, atol=0.025)  # the same law, without replacement, for the slot set
+    assert abs(first_ours - 0.25) < 0.02 and first_zoo > 0.3  # which pair sits where: the one difference

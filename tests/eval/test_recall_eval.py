@@ -141,3 +141,32 @@ def test_cli_recall_on_a_random_model(tmp_path, capsys):
     assert "L64-N4" in capsys.readouterr().out
     rc = main(["eval", "recall", "--lm", str(tmp_path / "missing.ckpt"), "--device", "cpu"])
     assert rc == 2 and "missing.ckpt: no such file or folder" in capsys.readouterr().err
+
+
+def test_cli_recall_zoology_sampler_and_its_chance_levels(tmp_path, capsys):
+    from diffmm.cli import main
+
+    out = tmp_path / "z.json"
+    args = ["eval", "recall", "--lm", "config:transformer-tiny", "--vocab", "64", "--seq_len", "[16]", "--pairs", "[4]",
+            "--examples", "8", "--attention", "false", "--device", "cpu", "--progress", "false"]
+    assert main(args + ["--sampler", "zoology", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["tasks"][0]["task"]["sampler"] == "zoology" and d["tasks"][0]["queries"] == 8 * 4
+    assert d["chance"] == 0.25 and d["rank_chance"] > 0.33  # Zoology's order answers a third of the queries
+    assert "zoology sampling" in capsys.readouterr().out
+    assert main(args + ["--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["tasks"][0]["task"]["sampler"] == "diffmm" and abs(d["rank_chance"] - 0.25) < 0.04
+    assert main(args + ["--sampler", "uniform"]) == 2
+    assert "sampler" in capsys.readouterr().err
+    assert main(args + ["--sampler", "zoology", "--queries", "2"]) == 2
+    assert "queries every pair" in capsys.readouterr().err
+
+
+def test_oracle_is_perfect_on_zoology_data():
+    task = RecallTask(vocab_size=64, seq_len=64, num_pairs=8, sampler="zoology")
+    res = evaluate_recall(OracleLM(64, 8, wrong_pair=0), [task], examples=200, batch_size=50, show_progress=False)
+    # pair 0 is wrong: exactly its queries are missed, whatever their position
+    b = list(eval_batches(task, 200, 50, seed=0))
+    assert res.accuracy == pytest.approx(1 - 1 / 8) and res.tasks[0].queries == 200 * 8
+    assert all((x.query_pair == 0).sum(1).eq(1).all() for x in b)

@@ -116,3 +116,25 @@ def test_data_module_checks_the_model(tmp_path):
     cfg["data"]["init_args"]["vocab_size"] = 64  # the model has 32
     rc = main(["fit", "--config", write_yaml(tmp_path / "bad.yaml", cfg)])
     assert rc == 2
+
+
+def test_data_module_zoology_sampler(tmp_path):
+    dm = RecallDataModule(vocab_size=64, seq_lens=[16, 32], num_pairs=[2, 4], sampler="zoology", noise=0.25,
+                          batch_size=4, val_examples=6, val_batch_size=3, seed=5)
+    assert {t.sampler for t in dm.train_tasks + dm.val_tasks} == {"zoology"}
+    stream = dm.train_dataloader().dataset
+    x, y = next(iter(dm.train_dataloader()))
+    ref = make_recall_batch(stream.task_of(0), 4, seed=5, index=0)  # the stream serves the Zoology batches
+    assert torch.equal(x, ref.inputs) and torch.equal(y, ref.targets)
+    (vx, vy), *_ = list(dm.val_dataloader())
+    vref = make_recall_batch(dm.val_tasks[0], 3, seed=5, index=0, split="eval")
+    assert torch.equal(vx, vref.inputs) and torch.equal(vy, vref.targets)
+    assert dm.val_tasks[0].sampler == "zoology" and int((vy != -100).sum()) == 3 * dm.val_tasks[0].num_pairs
+    with pytest.raises(ConfigError, match="data.sampler must be one of"):
+        RecallDataModule(vocab_size=64, sampler="uniform")
+    with pytest.raises(ConfigError, match="queries every pair"):
+        RecallDataModule(vocab_size=64, seq_lens=[16], num_pairs=[4], num_queries=2, sampler="zoology")
+    cfg = recall_config(str(tmp_path), max_steps=2, limit_val_batches=1, val_check_interval=2)
+    cfg["data"]["init_args"].update(sampler="zoology", val_examples=2)
+    assert main(["fit", "--config", write_yaml(tmp_path / "z.yaml", cfg)]) == 0
+    assert series(read_metrics(str(tmp_path)), "val/accuracy")
