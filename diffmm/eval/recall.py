@@ -81,7 +81,7 @@ def attention_mass(model: torch.nn.Module, batch: RecallBatch, *, chunk: int = 8
         m = {k: v[lo:hi].to(device) for k, v in masks.items()}
         layer_sums: list[dict[str, torch.Tensor]] = []
 
-        def take(rec: AttentionRecord) -> None:
+        def take(rec: AttentionRecord, qpos=qpos, m=m, layer_sums=layer_sums) -> None:  # this chunk's, bound now
             a = rec.maps().double()  # (b, h, T, S)
             b_idx = torch.arange(a.shape[0], device=a.device)[:, None]
             rows = a.permute(0, 2, 1, 3)[b_idx, qpos]  # (b, Q, h, S)

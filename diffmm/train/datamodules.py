@@ -360,7 +360,8 @@ class RecallDataModule(pl.LightningDataModule):
             raise ConfigError(f"data.sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.grid = dict(seq_lens=list(seq_lens), num_pairs=list(num_pairs), noise=float(noise),
                          num_queries=num_queries, query_power=float(query_power), sampler=sampler)
-        self.val_grid = dict(self.grid, seq_lens=list(val_seq_lens or seq_lens), num_pairs=list(val_num_pairs or num_pairs))
+        self.val_grid = dict(self.grid, seq_lens=list(val_seq_lens or seq_lens),
+                             num_pairs=list(val_num_pairs or num_pairs))
         self.val_examples, self.batch_size, self.val_batch_size = val_examples, batch_size, val_batch_size or batch_size
         self.batch_tokens, self.num_workers, self.seed = batch_tokens, num_workers, seed
         self.given = {"context_length": context_length}
