@@ -19,6 +19,7 @@ import json
 import math
 import os
 import tarfile
+import tempfile
 import time
 
 import numpy as np
@@ -186,7 +187,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default="data")
     ap.add_argument("--out", default="results/dinov2_probe")
-    ap.add_argument("--cache", default="/tmp/dinov2_probe_features.pt")
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "dinov2_probe_features.pt"))
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(2)
