@@ -32,7 +32,6 @@ from typing import Any, Optional
 
 import torch
 from open_clip.tokenizer import SimpleTokenizer
-from tokenizers import Tokenizer
 
 from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer
 from diffmm.hub.checkpoint import SAFE_GLOBALS, is_lightning_checkpoint, read_lightning
@@ -82,16 +81,6 @@ def load_folder_tokenizer(folder: str | os.PathLike):
     eos = config.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     return TokenizerFile(str(folder / TOKENIZER_FILE), eos_token=eos)
-
-
-def folder_eos_id(folder: str | os.PathLike) -> int:
-    """The id of the eos token ``tokenizer_config.json`` names, in the folder's ``tokenizer.json``."""
-    folder = Path(folder)
-    eos = json.loads((folder / CONFIG_FILE).read_text()).get("eos_token")
-    idx = Tokenizer.from_file(str(folder / TOKENIZER_FILE)).token_to_id(eos) if isinstance(eos, str) else None
-    if idx is None:
-        raise ValueError(f"{folder / CONFIG_FILE}: eos_token {eos!r} is not in {folder / TOKENIZER_FILE}")
-    return idx
 
 
 def load_tokenizer_spec(spec: str | os.PathLike):
