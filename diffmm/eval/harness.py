@@ -48,7 +48,7 @@ BOOTSTRAP_ITERS = 100000
 
 def _require_lm_eval() -> None:
     if LM is None:
-        raise EvalError("lm-evaluation-harness is not installed; pip install 'lm-eval>=0.4,<0.5' "
+        raise EvalError("lm-evaluation-harness is not installed; pip install 'lm-eval>=0.4.10,<0.5' "
                         "(or the diffmm 'eval' extra)")
 
 

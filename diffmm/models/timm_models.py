@@ -148,8 +148,10 @@ def checkpoint_filter(state_dict: dict, model: VisionTransformer) -> dict:
     """timm's ``pretrained_filter_fn``: a local file's state dict (as timm read it: ``state_dict`` key taken,
     ``module.`` stripped) -> this model's keys, then timm's ViT filter (position-embedding / patch resampling).
 
-    The layout must be one of the model's tag's (:data:`WEIGHT_SOURCES`), so the mean/std of the tag are those
-    the weights were trained with (an open_clip file under ``.official`` is an error).
+    The layout must be one of the model's tag's (:data:`WEIGHT_SOURCES`): an open_clip file under ``.official`` is
+    an error. The layout cannot tell every source apart: an official DiffCLIP state dict saved as ``.safetensors``
+    has diffmm's keys, so under the default ``.diffmm`` tag it loads with the config's (OpenAI) mean/std; name
+    ``.official`` for official weights.
     """
     cfg = getattr(model, "pretrained_cfg", None) or {}
     tag, source = cfg.get("tag") or "diffmm", cfg.get("file") or "checkpoint"
