@@ -14,6 +14,14 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import functional as TF
 
+# ------------------------------------------------------------------------------ lm-eval
+def lm_eval_offline(tmp_path, monkeypatch) -> None:
+    """lm-eval's datasets and hub reads stay offline and in ``tmp_path`` (local task folders only)."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 # ------------------------------------------------------------------------------ image side
 RANK_WEIGHTS = (1.0, 0.5, 0.25, 0.2, 0.15)  # feature weight of the 1st..5th class coded in an image
 NONE = 255  # "no class" code

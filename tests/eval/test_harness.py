@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from eval_helpers import CopyLastWord, UnigramLM, WordTokenizer
+from eval_helpers import CopyLastWord, UnigramLM, WordTokenizer, lm_eval_offline
 
 pytest.importorskip("lm_eval")
 
@@ -18,9 +18,7 @@ class _Req:
 
 @pytest.fixture
 def tasks_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm_eval_offline(tmp_path, monkeypatch)
     data = tmp_path / "data"
     data.mkdir()
     mc = [{"question": f"pick {i}", "choices": ["gamma", "delta"], "answer": i % 2} for i in range(6)]

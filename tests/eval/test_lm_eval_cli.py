@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import lm_eval_offline
 
 from diffmm.cli import main as diffmm_main
 from diffmm.cli import parse
@@ -40,9 +41,7 @@ QUESTIONS = [("The capital of France is", ["Paris", "London", "Rome"], 0),
 
 @pytest.fixture
 def local_task(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm_eval_offline(tmp_path, monkeypatch)
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     rows = [json.dumps({"question": q, "choices": c, "answer": a}) for q, c, a in QUESTIONS]
