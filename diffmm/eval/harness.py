@@ -106,7 +106,8 @@ class DiffmmLM(LM or object):  # type: ignore[misc]
         max_batch_size: the largest batch ``auto`` tries (lm-eval's ``--max_batch_size``; default 64 as lm-eval's).
         max_length: context limit (default: the model's ``block_size``).
         max_gen_toks: default cap of generated tokens.
-        device: where the model runs (lm-eval's ``--device``; default: cuda when there is one).
+        device: where the model runs (lm-eval's ``--device``; default: cuda when there is one; a CUDA device on a
+            machine without one falls back to cpu with a warning, as lm-eval's hf model does).
     """
 
     def __init__(self, model=None, tokenizer=None, *, pretrained: Optional[str] = None, path: Optional[str] = None,
@@ -115,6 +116,11 @@ class DiffmmLM(LM or object):  # type: ignore[misc]
         _require_lm_eval()
         super().__init__()
         path = pretrained or path
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's default --device is cuda:0; as its hf model does, run where the machine can
+            log.warning("DiffmmLM: device %s is not available here (lm-eval's default is cuda:0); running on cpu",
+                        device)
+            device = "cpu"
         if model is None:  # built from lm-eval's --model_args: pretrained=..., tokenizer=<spec string>
             if path is None:
                 raise EvalError("DiffmmLM needs a model and tokenizer, or pretrained=LM_FOLDER")

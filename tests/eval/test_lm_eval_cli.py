@@ -220,3 +220,13 @@ def test_python_form_keeps_stderr_and_auto(tmp_path, local_task):
     assert metrics["acc_stderr,none"] > 0 and metrics == res["results"]["diffmm_toy_qa"]
     assert f"{metrics['acc_stderr,none']:.4f}" in (tmp_path / "r.md").read_text()
     assert res["config"]["batch_size"] == "auto" and res["config"]["batch_sizes"] == [64]  # CPU: max_batch_size
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+def test_lm_eval_default_device_falls_back_to_cpu(tmp_path, caplog):
+    """lm-eval's CLI passes device='cuda:0' unless told otherwise; like its hf model, the adapter runs on cpu."""
+    folder = tmp_path / "difflama"
+    _difflama_export(folder)
+    lm = DiffmmLM(pretrained=str(folder), device="cuda:0", batch_size=2)
+    assert lm.device.type == "cpu" and next(lm.model.parameters()).device.type == "cpu"
+    assert "cuda:0 is not available here" in caplog.text
