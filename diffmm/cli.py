@@ -128,6 +128,15 @@ def _command_words(argv: list[str]) -> list[str]:
     return words
 
 
+def one_line(error: BaseException) -> str:
+    """An error's message on one line: a KeyError's key text, and a message that carries a traceback (a DataLoader
+    worker's) without the traceback's indented frames."""
+    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line.startswith((" ", "\t", "Traceback", "Original Traceback"))]
+    return " ".join(lines)
+
+
 def underscore_flags(argv: list[str]) -> list[str]:
     """``--batch-size 8`` -> ``--batch_size 8``: flags are the parameter names (underscores, as in ``diffmm fit`` and
     the field's tools); dashes are accepted as aliases. Values (``--out my-file.json``) are left alone."""
@@ -164,8 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         result = fn(**kwargs)
     except INPUT_ERRORS as e:
-        print(f"diffmm {' '.join(names)}: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}",
-              file=sys.stderr)
+        print(f"diffmm {' '.join(names)}: error: {one_line(e)}", file=sys.stderr)
         return 2
     if result is False:  # diffmm shards check found damage
         return 1

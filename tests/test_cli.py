@@ -6,7 +6,7 @@ import inspect
 import docstring_parser
 import pytest
 
-from diffmm.cli import COMMANDS, main, parse, underscore_flags
+from diffmm.cli import COMMANDS, main, one_line, parse, underscore_flags
 
 
 def _functions(commands: dict, prefix: str = "diffmm"):
@@ -57,3 +57,13 @@ def test_dashed_flags_are_aliases_of_the_parameter_names():
     assert dashed == parse(["eval", "recall", "--lm", "config:transformer-tiny", "--seq_len", "[16, 32]",
                             "--batch_size", "4", "--out", "my-file--x.json"])
     assert dashed[2]["batch_size"] == 4 and dashed[2]["seq_len"] == [16, 32]
+
+
+def test_an_error_carrying_a_worker_traceback_is_one_line():
+    worker = ValueError("Caught ValueError in DataLoader worker process 1.\n"
+                        "Original Traceback (most recent call last):\n"
+                        '  File "x.py", line 3, in f\n    raise ValueError(...)\n'
+                        "ValueError: No samples found; fewer shards than workers.\nTurn off empty_check.")
+    assert one_line(worker) == ("Caught ValueError in DataLoader worker process 1. ValueError: No samples found; "
+                                "fewer shards than workers. Turn off empty_check.")
+    assert one_line(KeyError("config.json: no key 'model'")) == "config.json: no key 'model'"
