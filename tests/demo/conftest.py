@@ -2,7 +2,7 @@
 
 The synthetic emoji shards are written directly; Fashion-MNIST and the text corpus go through the real demo
 builders on small synthetic sources. Models are the Tiny configs shrunk to one layer and 16 px (the LiT configs
-keep the pretrained MiniLM text tower, which their tests need installed).
+keep the pretrained MiniLM text tower, which their tests need installed; the DINOv2 ones keep DINOv2 at 28 px).
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ TINY["diffclip_tiny_emoji.yaml"], TINY["lm_diff_tiny_pydocs.yaml"] = TINY["clip_
 for _name in ("lit_clip_tiny_emoji.yaml", "lit_diffclip_tiny_emoji.yaml", "lit_diffclip_diffminilm_tiny_emoji.yaml"):
     TINY[_name] = dict(embed_dim=16, vision_cfg=TINY["clip_tiny_emoji.yaml"]["vision_cfg"],
                        text_cfg=dict(context_length=16))
+for _name in ("lit_clip_dinov2_emoji.yaml", "lit_diffclip_dinov2_emoji.yaml"):  # DINOv2's weights at 28 px (2 x 2)
+    TINY[_name] = dict(embed_dim=16, vision_cfg=dict(image_size=28), text_cfg=dict(context_length=16))
 
 
 def _emoji_style(root: str, style: str, n: int, seed: int) -> None:

