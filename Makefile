@@ -40,7 +40,8 @@ demo-pretrained: venv
 # The packages the demo datasets are built from (diffmm/data/system_data.py names the files read; diffmm itself
 # installs nothing). Debian: installed when missing if we are root with apt-get, else the install line is printed.
 # npm: the emoji art, installed into the folder the builders read (system_data.NPM_DIR).
-DEMO_DEBS := fonts-noto-color-emoji unicode-data unicode-cldr-core dataset-fashion-mnist python3.11-doc
+DEMO_DEBS := fonts-noto-color-emoji unicode-data unicode-cldr-core dataset-fashion-mnist python3.11-doc \
+	tuxpaint-stamps-default
 DEMO_NPM := emoji-datasource-google@16.0.0 emoji-datasource-twitter@16.0.0 openmoji@17.0.0 \
 	@iconify-json/streamline-ultimate-color@1.2.2
 DEMO_NPM_DIR := $(HOME)/.cache/diffmm/npm

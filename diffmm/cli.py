@@ -25,7 +25,7 @@ from diffmm.data.shard_tools import (check_shards, index_shards, write_shards_fr
                                      write_shards_from_text)
 from diffmm.demo import run_demo
 from diffmm.demo.datasets import build_demo_data, build_emoji, build_fashion_mnist, build_python_docs
-from diffmm.demo.imageset import build_icons
+from diffmm.demo.imageset import build_icons, build_stamps
 from diffmm.demo.montage import draw_demo_montage
 from diffmm.eval import commands
 from diffmm.eval.clip_benchmark import clip_benchmark
@@ -50,7 +50,7 @@ COMMANDS: dict = {
                "from-captions": write_shards_from_captions, "from-folders": write_shards_from_folders,
                "from-text": write_shards_from_text, "check": check_shards, "index": index_shards,
                "demo-emoji": build_emoji, "demo-fashion-mnist": build_fashion_mnist, "demo-text": build_python_docs,
-               "demo-icons": build_icons,
+               "demo-icons": build_icons, "demo-stamps": build_stamps,
                "demo-all": build_demo_data, "montage": draw_demo_montage},
     "export": export,
     "demo": run_demo,

@@ -14,6 +14,9 @@ import os
 PYTHON_DOCS = "/usr/share/doc/python3.11/html/_sources"
 #: Debian ``dataset-fashion-mnist``: the Fashion-MNIST IDX files (``train-*``, ``t10k-*``, gzipped)
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+#: Debian ``tuxpaint-stamps-default``: Tux Paint's stamps (clip art and cut-out photos), one folder per category,
+#: each ``NAME.png`` / ``NAME.svg`` with ``NAME.txt`` whose first line is its English description
+TUXPAINT_STAMPS = "/usr/share/tuxpaint/stamps"
 #: Debian ``fonts-noto-color-emoji``
 NOTO_EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"
 #: Debian ``unicode-data``: names, groups and subgroups of every emoji

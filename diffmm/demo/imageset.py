@@ -1,4 +1,5 @@
-"""A zero-shot image set that is not emoji: a colour icon set from an npm ``@iconify-json/*`` package.
+"""Zero-shot image sets that are not emoji: a colour icon set from an npm ``@iconify-json/*`` package, and Tux Paint's
+stamps from a Debian package (:func:`build_stamps`).
 
 Default: ``@iconify-json/streamline-ultimate-color`` (Streamline "Ultimate color", CC BY 4.0, 998 icons in 31
 publisher categories). Each icon's label is the category the publisher's ``metadata.json`` files it under; the class
@@ -20,10 +21,13 @@ from typing import Optional
 from PIL import Image
 from tqdm import tqdm
 
-from diffmm.data.system_data import NPM_DIR, require_npm_package
+from diffmm.data.system_data import NPM_DIR, TUXPAINT_STAMPS, require_debian_file, require_npm_package
 from diffmm.demo.datasets import on_white
 
 ICON_SET = "streamline-ultimate-color"
+#: the stamp set's folder under the data folder
+STAMPS = "stamps-tuxpaint"
+STAMP_TEMPLATES = ("an emoji of {}.", "a picture of {}.")
 ICON_TEMPLATES = ("an emoji of {}.", "an icon of {}.")
 
 
@@ -97,13 +101,91 @@ def build_icons(out: str = "data", icon_set: str = ICON_SET, name: Optional[str]
         with open(os.path.join(tmp, "classes.json"), "w") as f:
             json.dump(meta, f, indent=1)
         target = os.path.join(out, name)
-        old = tmp + "-old"
-        if os.path.exists(target):
-            os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_in(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"{name}: {meta['images']} images, {len(order)} classes from {meta['source']} -> {target}")
+    return meta
+
+
+def on_white_square(img: Image.Image, size: int) -> Image.Image:
+    """An image (any aspect, any mode) centred on a white square, resized to ``size`` x ``size`` RGB."""
+    img = img.convert("RGBA")
+    side = max(img.size)
+    bg = Image.new("RGBA", (side, side), (255, 255, 255, 255))
+    bg.alpha_composite(img, ((side - img.size[0]) // 2, (side - img.size[1]) // 2))
+    return bg.convert("RGB").resize((size, size), Image.BICUBIC)
+
+
+def _swap_in(tmp: str, target: str) -> None:
+    old = tmp + "-old"
+    if os.path.exists(target):
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_stamps(out: str = "data", root: str = TUXPAINT_STAMPS, size: int = 128, min_images: int = 3,
+                 progress: bool = True) -> dict:
+    """Build a zero-shot image set from Tux Paint's stamps (Debian ``tuxpaint-stamps-default``): every PNG stamp,
+    labelled by the publisher's top-level category folder (``animals``, ``food``, ``vehicles``, ...; no hand
+    mapping), centred on white at ``size`` px, into ``OUT/stamps-tuxpaint/<category>/<stamp>.png`` with
+    ``classes.json`` (classes, templates, counts, the majority share, each stamp's English description and
+    subcategory). Prints and returns the classes.json.
+
+    Args:
+        out: data folder.
+        root: the stamps folder of the Debian package.
+        size: image side in px.
+        min_images: drop categories with fewer PNG stamps.
+        progress: show a progress bar.
+
+    Raises:
+        FileNotFoundError: the Debian package is missing (naming it).
+    """
+    require_debian_file(root, "tuxpaint-stamps-default")
+    found: dict[str, list[str]] = {}
+    for dirpath, _, files in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        if rel != ".":
+            found.setdefault(rel.split(os.sep)[0], []).extend(
+                os.path.join(dirpath, f) for f in files if f.endswith(".png"))
+    kept = {c: sorted(paths) for c, paths in sorted(found.items()) if len(paths) >= min_images}
+    os.makedirs(out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{STAMPS}.tmp-", dir=out)  # build aside, then swap in: no half-built folder
+    stamps, skipped = {}, {}
+    try:
+        for c in tqdm(kept, desc=STAMPS, unit="class", disable=not progress):
+            os.makedirs(os.path.join(tmp, c))
+            for path in kept[c]:
+                rel = os.path.relpath(path, root)
+                name = os.path.splitext(rel)[0].replace(os.sep, "__")
+                try:
+                    with Image.open(path) as img:
+                        on_white_square(img, size).save(os.path.join(tmp, c, name + ".png"))
+                except (OSError, ValueError) as e:  # a damaged stamp is counted, not fatal
+                    skipped[rel] = str(e).splitlines()[0]
+                    continue
+                txt = os.path.splitext(path)[0] + ".txt"
+                desc = None
+                if os.path.exists(txt):
+                    with open(txt, encoding="utf-8", errors="replace") as f:
+                        desc = f.readline().strip() or None
+                parts = rel.split(os.sep)
+                stamps[f"{c}/{name}.png"] = {"description": desc, "subcategory": parts[1] if len(parts) > 2 else c}
+        counts = {c: sum(k.startswith(c + "/") for k in stamps) for c in kept}
+        meta = {"classes": list(kept), "templates": list(STAMP_TEMPLATES), "source": "Debian tuxpaint-stamps-default",
+                "license": "GPL-2 (/usr/share/doc/tuxpaint-stamps-default/copyright)",
+                "image_size": size, "images": len(stamps), "counts": counts,
+                "majority_share": max(counts.values()) / max(1, len(stamps)),
+                "dropped_categories": sorted(set(found) - set(kept)), "skipped": skipped, "stamps": stamps}
+        with open(os.path.join(tmp, "classes.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        _swap_in(tmp, os.path.join(out, STAMPS))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"{STAMPS}: {meta['images']} images, {len(kept)} classes from {meta['source']} -> "
+          f"{os.path.join(out, STAMPS)}")
     return meta

@@ -1,5 +1,5 @@
 """What each part of the demo trains and measures: the models (label, config file), the ``diffmm fit``
-overrides, the evaluations (the functions ``diffmm eval`` calls), the metrics compared and the papers' numbers.
+overrides, the evaluations (:mod:`diffmm.demo.evals`), the metrics compared and the papers' numbers.
 
 A :class:`Part` is data: :mod:`diffmm.demo.run` trains each model per seed, loads its checkpoint and runs each
 evaluation on it; :mod:`diffmm.demo.report` aggregates and renders every part the same way.
@@ -7,14 +7,12 @@ evaluation on it; :mod:`diffmm.demo.report` aggregates and renders every part th
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
-from PIL import Image
 
 from diffmm.data.stats import DataStats
 from diffmm.data.stream import ShardLoader
@@ -22,24 +20,14 @@ from diffmm.data.tar_reader import iter_tar_samples
 from diffmm.data.text import TextDataset
 from diffmm.data.tokenizers import load_lm_tokenizer
 from diffmm.demo.datasets import STYLES
-from diffmm.demo.imageset import ICON_SET
-from diffmm.demo.montage import draw_predictions
-from diffmm.eval.classify import classify_images
-from diffmm.eval.image_sources import open_image_source
+from diffmm.demo.evals import (EMOJI_TEMPLATE, ICONS, attention_maps, fashion_zero_shot, held_out_retrieval,
+                               held_out_zero_shot, icons_zero_shot, lit_pictures, stamps_zero_shot)
+from diffmm.demo.imageset import STAMPS
 from diffmm.eval.needle import NeedleConfig, multi_needle, split_sentences
 from diffmm.eval.outliers import activation_outliers
 from diffmm.eval.perplexity import perplexity_on_shards
-from diffmm.eval.plots import cls_attention, plot_attention_maps, plot_needle_attention
+from diffmm.eval.plots import plot_needle_attention
 from diffmm.eval.recall import evaluate_recall, plot_recall, tasks_from_grid
-from diffmm.eval.retrieval import retrieval_on_shards
-from diffmm.eval.zeroshot import zero_shot
-from diffmm.hub.factory import load_pretrained
-from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
-
-#: the prompt of the emoji captions the CLIP models train on ("an emoji of NAME, keywords")
-EMOJI_TEMPLATE = "an emoji of {}."
-#: the non-emoji zero-shot set (``diffmm shards demo-icons``)
-ICONS = f"icons-{ICON_SET}"
 
 
 def metric(key: str, label: str, path: str, higher_is_better: Optional[bool], percent: bool = False, digits: int = 2,
@@ -110,48 +98,6 @@ def _per_model(res: dict, name: str) -> dict[str, Any]:
     return {x: mean_over_seeds([r[name] for r in rs.values() if name in r]) for x, rs in res["runs"].items()}
 
 
-def _zero_shot(model, spec: str, label_field: str, names: list[str], templates: list[str], n: Optional[int]) -> dict:
-    source = open_image_source(spec, transforms_for(model)[1], label_field=label_field, batch_size=128, num_workers=0)
-    r = zero_shot(model, tokenizer_for(model), source, names, templates, precision="fp32",
-                  max_batches=n and math.ceil(n / 128))
-    return {"top1": r.top1, "top5": r.top5, "images": r.n, "classes": len(names), "chance_top1": 1 / len(names),
-            "chance_top5": min(5, len(names)) / len(names)}
-
-
-def attention_maps(held: str, prefix: str, n: int = 4) -> Callable[[dict, str], list[str]]:
-    """The plot of a CLIP part: CLS attention of the last vision layer of each model (first seed) on the first ``n``
-    images of the shards ``held``, to ``attention/<prefix>_<i>.png``."""
-    def plot(res: dict, out: str) -> list[str]:
-        models = {x: load_pretrained(os.path.join(out, next(iter(rs.values()))["train"]["checkpoint"]))
-                  for x, rs in res["runs"].items()}
-        images = {x: next(iter(open_image_source(held, transforms_for(m)[1], label_field="json:group_id",
-                                                 batch_size=n, num_workers=0)))[0] for x, m in models.items()}
-        shown = next(iter(images.values()))  # (n, 3, S, S)
-        return [os.path.relpath(plot_attention_maps(
-            shown[i], {x: cls_attention(m, images[x][i]) for x, m in models.items()},
-            os.path.join(out, "attention", f"{prefix}_{i}.png"), title=f"held-out image {i}: CLS attention, last "
-            "vision layer"), out) for i in range(len(shown))]
-    return plot
-
-
-def emoji_zero_shot(data: str, held: str, level: str, n: Optional[int]) -> Callable[[Any, int], dict]:
-    """Zero-shot on the held-out emoji shards by ``group`` or ``subgroup`` (names lower-cased, '-' -> ' ')."""
-    def run(model, seed: int) -> dict:
-        with open(os.path.join(data, "emoji", "classes.json")) as f:
-            names = [n.replace("-", " ").lower() for n in json.load(f)[f"{level}s"]]
-        return _zero_shot(model, held, f"json:{level}_id", names, [EMOJI_TEMPLATE], n)
-    return run
-
-
-def held_out_retrieval(held: str, n: Optional[int]) -> Callable[[Any, int], dict]:
-    """Image<->text retrieval on the held-out emoji shards, with chance beside it."""
-    def run(model, seed: int) -> dict:
-        r = retrieval_on_shards(model, tokenizer_for(model), held, transforms_for(model)[1], batch_size=128,
-                                num_workers=0, precision="fp32", max_batches=n and math.ceil(n / 128))
-        return {**r, "chance_R1": 1 / r["images"], "chance_R5": min(5, r["images"]) / r["images"]}
-    return run
-
-
 def _held_out_metrics(pct: dict) -> list[dict]:
     return [metric("zs_group_top1", "zero-shot held-out style, 9 groups: top-1 %", "zs_group.top1", **pct,
                    chance="zs_group.chance_top1"),
@@ -165,66 +111,13 @@ def _retrieval_metrics(pct: dict) -> list[dict]:
             for key, d in (("i2t", "image->text"), ("t2i", "text->image")) for k in (1, 5)]
 
 
-def icons_zero_shot(data: str) -> Callable[[Any, int], dict]:
-    """Zero-shot on the non-emoji icon set (``diffmm shards demo-icons``): 31 publisher categories as class names."""
-    def run(model, seed: int) -> dict:
-        root = os.path.join(data, ICONS)
-        with open(os.path.join(root, "classes.json")) as f:
-            c = json.load(f)
-        source = open_image_source(root, transforms_for(model)[1], classnames=c["classes"], batch_size=128,
-                                   num_workers=0)
-        r = zero_shot(model, tokenizer_for(model), source, c["classes"], list(c["templates"][:1]), precision="fp32")
-        return {"top1": r.top1, "top5": r.top5, "images": r.n, "classes": len(c["classes"]),
-                "chance_top1": 1 / len(c["classes"]), "chance_top5": 5 / len(c["classes"])}
-    return run
-
-
-def lit_pictures(data: str, held: str, model_label: str, prefix: str = "lit") -> Callable[[dict, str], list[str]]:
-    """A LiT part's pictures: CLS attention maps, and the zero-shot predictions of ``model_label`` (first seed)
-    on two held-out images of each emoji group, written as ``{prefix}_predictions.png`` and ``.md``."""
-    maps = attention_maps(held, f"{prefix}_attention")
-
-    def plot(res: dict, out: str) -> list[str]:
-        run = next(iter(res["runs"][model_label].values()))
-        model = load_pretrained(os.path.join(out, run["train"]["checkpoint"]))
-        with open(os.path.join(data, "emoji", "classes.json")) as f:
-            groups = json.load(f)["groups"]
-        picked: dict[int, list] = {}
-        for url in sorted(glob.glob(held)):
-            for s in iter_tar_samples(url, DataStats("predictions")):
-                g = json.loads(s["json"])["group_id"]
-                if len(picked.setdefault(g, [])) < 2:
-                    picked[g].append(s)
-        samples = [s for g in sorted(picked) for s in picked[g]]
-        folder = os.path.join(out, f"{prefix}_predictions")  # a folder of images, as `diffmm classify` reads
-        os.makedirs(folder, exist_ok=True)
-        files = [os.path.join(folder, f"{s['__key__']}.png") for s in samples]
-        for s, path in zip(samples, files):
-            with open(path, "wb") as f:
-                f.write(s["png"])
-        names = [n.lower() for n in groups]
-        preds = classify_images(model, tokenizer_for(model), transforms_for(model)[1], files, names, [EMOJI_TEMPLATE],
-                                top_k=1, show_progress=False, num_workers=0)
-        cells = [(Image.open(path), names[json.loads(s["json"])["group_id"]], lab[0], p[0])
-                 for path, s, lab, p in zip(preds.files, samples, preds.labels, preds.probs)]
-        title = f"{model_label}, seed {next(iter(res['runs'][model_label]))}: zero-shot emoji group of unseen art"
-        draw_predictions(cells, os.path.join(out, f"{prefix}_predictions.png"), title, n_cols=9)
-        rows = [f"| {json.loads(s['json'])['name']} | {t} | {pr} ({100 * p:.0f} %) | {'✓' if pr == t else '✗'} |"
-                for (img, t, pr, p), s in zip(cells, samples)]
-        with open(os.path.join(out, f"{prefix}_predictions.md"), "w") as f:
-            f.write("| emoji (held-out art) | group | predicted | |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
-        return [f"{prefix}_predictions.png", f"{prefix}_predictions.md", *maps(res, out)]
-    return plot
-
-
-def fashion_zero_shot(data: str, n: Optional[int]) -> Callable[[Any, int], dict]:
-    """Zero-shot on the first ``n`` Fashion-MNIST test images (10 classes; its prompts and the emoji prompt)."""
-    def run(model, seed: int) -> dict:
-        with open(os.path.join(data, "fashion-mnist", "classes.json")) as f:
-            c = json.load(f)
-        return _zero_shot(model, os.path.join(data, "fashion-mnist", "test", "*.tar"), "cls", c["classes"],
-                          c["templates"] + [EMOJI_TEMPLATE], n)
-    return run
+def _stamps_metrics(pct: dict) -> list[dict]:
+    return [metric("zs_stamps_mpc", "zero-shot non-emoji stamps, 17 categories: mean per-class top-1 %",
+                   "zs_stamps.mean_per_class", **pct, chance="zs_stamps.chance_top1"),
+            metric("zs_stamps_top1", "zero-shot non-emoji stamps: top-1 % (chance: the majority share)",
+                   "zs_stamps.top1", **pct, chance="zs_stamps.majority"),
+            metric("zs_stamps_top5", "zero-shot non-emoji stamps: top-5 %", "zs_stamps.top5", **pct,
+                   chance="zs_stamps.chance_top5")]
 
 
 def _fashion_metric(pct: dict) -> dict:
@@ -257,9 +150,8 @@ def clip_part(data: str, steps: int, workers: int, holdout: str, quick: bool, co
         f"the rest of the recipe as in the config files), the same seeds, data order and budget for both; evaluated "
         f"on the held-out style `{holdout}` (zero-shot by emoji group and subgroup with the prompt "
         f"\"{EMOJI_TEMPLATE}\", image<->text retrieval) and zero-shot on Fashion-MNIST test ({n_fmnist} images).",
-        {"zs_group": emoji_zero_shot(data, held, "group", n_held),
-         "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
-         "zs_fmnist": fashion_zero_shot(data, n_fmnist), "retrieval": held_out_retrieval(held, n_held)},
+        {**held_out_zero_shot(data, held, n_held), "zs_fmnist": fashion_zero_shot(data, n_fmnist),
+         "retrieval": held_out_retrieval(held, n_held)},
         [metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
          *_held_out_metrics(pct), _fashion_metric(pct), *_retrieval_metrics(pct),
@@ -297,20 +189,22 @@ def lit_part(data: str, steps: int, workers: int, holdout: str, quick: bool, con
         f"differential attention and unlocked at a small lr (text_lr; the locked layers below cached), on the first "
         f"seed only. Evaluated on the held-out style `{holdout}`, art none of them saw: "
         f"zero-shot by emoji group and subgroup with the prompt \"{EMOJI_TEMPLATE}\" ({'512' if quick else 'all'} "
-        f"images) and image<->text retrieval among {n_retrieval} pairs; zero-shot on {ICONS} (colour icons, not emoji, "
-        f"labelled by their publisher's 31 categories; `diffmm shards demo-icons`). "
+        f"images) and image<->text retrieval among {n_retrieval} pairs; zero-shot on images that are not emoji: "
+        f"{STAMPS} (Tux Paint's 802 PNG stamps, clip art and cut-out photos from the Debian package, labelled by "
+        f"its 17 category folders; `diffmm shards demo-stamps`) and {ICONS} (colour icons labelled by their "
+        f"publisher's 31 categories; `diffmm shards demo-icons`). "
         f"The ceiling of the locked text space (an image placed on its own caption's MiniLM embedding) is ~53 % for "
         f"groups and subgroups alike.",
-        {"zs_group": emoji_zero_shot(data, held, "group", n_held),
-         "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
-         "retrieval": held_out_retrieval(held, n_retrieval), "zs_icons": icons_zero_shot(data)},
-        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_icons_metrics(pct),
+        {**held_out_zero_shot(data, held, n_held), "retrieval": held_out_retrieval(held, n_retrieval),
+         "zs_icons": icons_zero_shot(data), "zs_stamps": stamps_zero_shot(data)},
+        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_icons_metrics(pct), *_stamps_metrics(pct),
          metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
          metric("throughput", "training throughput, samples/s", "train.throughput", None, digits=1)],
         {"source": "DiffCLIP (arXiv 2503.06626), both towers trained from scratch", "columns": ["CLIP", "DiffCLIP"],
          "rows": [["zero-shot ImageNet top-1 %, CC12M (ViT-B/16, 40 epochs)", 31.8, 33.8]]},
-        ("emoji", "icons"), ("predictions and attention maps", lit_pictures(data, held, "LiT DiffCLIP-Tiny")),
+        ("emoji", "icons", "stamps"),
+        ("predictions and attention maps", lit_pictures(data, held, "LiT DiffCLIP-Tiny")),
         loss_classes=64,
         first_seed_only=(unlocked,))
 
@@ -339,17 +233,17 @@ def dinov2_part(data: str, steps: int, workers: int, holdout: str, quick: bool, 
         f"norm train at image_lr, the projections at lr, against the locked all-MiniLM-L6-v2 (cached), on the emoji "
         f"styles {', '.join(styles)} for {steps} steps of 64 pairs (warmup {warmup}, the rest as in the config "
         f"files), the same seeds and data order. Evaluated as the LiT part on the held-out style `{holdout}`, and "
-        f"zero-shot on images that are not emoji: {ICONS} (31 categories) and Fashion-MNIST test ({n_fmnist} grey "
-        f"28 px photos of clothes, 10 classes; its own prompts averaged with the emoji prompt).",
-        {"zs_group": emoji_zero_shot(data, held, "group", n_held),
-         "zs_subgroup": emoji_zero_shot(data, held, "subgroup", n_held),
-         "retrieval": held_out_retrieval(held, n_retrieval), "zs_icons": icons_zero_shot(data),
+        f"zero-shot on images that are not emoji: {STAMPS} (17 categories), {ICONS} (31) and Fashion-MNIST test "
+        f"({n_fmnist} grey 28 px photos of clothes, 10 classes; its own prompts averaged with the emoji prompt).",
+        {**held_out_zero_shot(data, held, n_held), "retrieval": held_out_retrieval(held, n_retrieval),
+         "zs_stamps": stamps_zero_shot(data), "zs_icons": icons_zero_shot(data),
          "zs_fmnist": fashion_zero_shot(data, n_fmnist)},
-        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_icons_metrics(pct), _fashion_metric(pct),
+        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_stamps_metrics(pct), *_icons_metrics(pct),
+         _fashion_metric(pct),
          metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
          metric("throughput", "training throughput, samples/s", "train.throughput", None, digits=1)],
-        {}, ("emoji", "icons", "fashion-mnist"),
+        {}, ("emoji", "icons", "stamps", "fashion-mnist"),
         ("predictions and attention maps", lit_pictures(data, held, "LiT DiffCLIP-DINOv2", prefix="dinov2")),
         loss_classes=64)
 

@@ -26,8 +26,9 @@ from matplotlib.figure import Figure
 
 from diffmm import __version__
 from diffmm.demo.datasets import STYLES, build_emoji, build_fashion_mnist, build_python_docs
-from diffmm.demo.imageset import build_icons
-from diffmm.demo.parts import ICONS, Part, build_parts
+from diffmm.demo.imageset import STAMPS, build_icons, build_stamps
+from diffmm.demo.evals import ICONS
+from diffmm.demo.parts import Part, build_parts
 from diffmm.demo.report import write_report
 from diffmm.eval.plots import plot_loss_curves, read_metrics_csv
 from diffmm.hub.factory import load_pretrained
@@ -42,7 +43,7 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 STEPS = {"lit": 220, "dinov2": 100, "clip": 200, "lm": 200, "recall": 150}
 QUICK_STEPS = {"lit": 60, "dinov2": 40, "clip": 60, "lm": 60, "recall": 80}
 DATASETS = {"emoji": [f"emoji/{s}" for s in STYLES], "fashion-mnist": ["fashion-mnist/test"],
-            "python-docs": ["python-docs/train", "python-docs/val"], "icons": [ICONS]}
+            "python-docs": ["python-docs/train", "python-docs/val"], "icons": [ICONS], "stamps": [STAMPS]}
 
 
 def cpu_seconds() -> float:
@@ -55,10 +56,10 @@ def ensure_data(data: str, needs: tuple[str, ...]) -> list[str]:
     """Build the datasets ``needs`` whose shards are missing under ``data`` (a missing source stops with one line
     naming its package); returns the shard folders built."""
     builders = {"emoji": build_emoji, "fashion-mnist": build_fashion_mnist, "python-docs": build_python_docs,
-                "icons": build_icons}
+                "icons": build_icons, "stamps": build_stamps}
     built = []
     for need in needs:
-        marker = "classes.json" if need == "icons" else "sizes.json"  # an image folder, not shards
+        marker = "classes.json" if need in ("icons", "stamps") else "sizes.json"  # an image folder, not shards
         missing = [f for f in DATASETS[need] if not os.path.isfile(os.path.join(data, f, marker))]
         if missing:
             builders[need](data, *([[f.split("/")[1] for f in missing]] if need == "emoji" else []))

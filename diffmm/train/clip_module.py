@@ -86,6 +86,32 @@ class ZeroShotHook:
         return {"top1": result.top1, "top5": result.top5}
 
 
+#: ``cache_image_features``' caches, one per locked image-tower prefix (:func:`prefix_fingerprint`): modules of one
+#: process with the same locked weights share it (the demo's runs compute DINOv2's locked blocks once)
+SHARED_IMAGE_CACHES: dict[bytes, dict[bytes, torch.Tensor]] = {}
+
+
+def clear_image_caches() -> None:
+    """Free the memory of every ``cache_image_features`` cache of this process."""
+    SHARED_IMAGE_CACHES.clear()
+
+
+def prefix_fingerprint(visual: nn.Module, start: int) -> bytes:
+    """A digest of what the tokens entering block ``start`` of a diffmm image tower depend on: the modules before it
+    (their ``repr``: types, sizes, eps) and their parameters and buffers (names, shapes, dtypes, bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+    parts = [("patch_embed", visual.patch_embed), ("norm_pre", visual.norm_pre),
+             *((f"blocks.{i}", b) for i, b in enumerate(visual.blocks[:start]))]
+    tensors = [("cls_token", visual.cls_token), ("pos_embed", visual.pos_embed)]
+    for name, module in parts:
+        h.update(f"{name}={module!r}".encode())
+        tensors += [(f"{name}.{k}", t) for k, t in (*module.named_parameters(), *module.named_buffers())]
+    for name, t in tensors:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
 #: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
 MAX_LOGIT_SCALE = math.log(100.0)
 
@@ -126,9 +152,10 @@ class CLIPModule(TrainModule):
         text_lr: peak lr of the text tower's encoder (its projection keeps ``lr``), e.g. a small lr for a
             pretrained text tower that is fine-tuned while a fresh image tower trains at ``lr``.
         cache_image_features: with a locked diffmm image tower (DiffCLIP), compute the tokens entering its first
-            block with trainable parameters (the pooled features when nothing of it trains) once per distinct
-            image and reuse them (up to ``cache_image_max`` images, kept in memory; an image is its preprocessed
-            pixels, so this pays only with a deterministic train transform: ``data.crop_scale: [1.0, 1.0]``).
+            block with trainable parameters once per distinct image and reuse them (up to ``cache_image_max``
+            images, kept in memory for the process and shared by modules with the same locked weights:
+            :data:`SHARED_IMAGE_CACHES`, :func:`clear_image_caches`; an image is its preprocessed pixels, so this
+            pays only with a deterministic train transform: ``data.crop_scale: [1.0, 1.0]``).
         image_lr: peak lr of the image tower's encoder (its projection keeps ``lr``).
     """
 
@@ -180,7 +207,9 @@ class CLIPModule(TrainModule):
             if not lock_image or not hasattr(getattr(model, "visual", None), "prefix"):
                 raise ValueError("model.cache_image_features needs lock_image: true and a diffmm image tower "
                                  "(a DiffCLIP model: diffmm.list_models())")
+            # bound to its shared cache at the first batch, once the weights it depends on are final
             self._image_cache, self._image_start = {}, cached_blocks(model, self.locked["visual"])
+            self._image_cache_bound = False
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
@@ -242,7 +271,11 @@ class CLIPModule(TrainModule):
     def cached_image_features(self, images: torch.Tensor) -> torch.Tensor:
         """Projected image features (B, D) of a locked diffmm image tower whose blocks before ``_image_start`` run
         once per distinct image (keyed by its preprocessed pixels); the blocks from there on run every step."""
-        cache, visual, start = self._image_cache, self.model.visual, self._image_start
+        visual, start = self.model.visual, self._image_start
+        if not self._image_cache_bound:
+            self._image_cache = SHARED_IMAGE_CACHES.setdefault(prefix_fingerprint(visual, start), {})
+            self._image_cache_bound = True
+        cache = self._image_cache
         keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).digest() for row in images.detach().cpu()]
         new: dict[bytes, int] = {}
         for i, k in enumerate(keys):

@@ -20,7 +20,8 @@ from PIL import Image
 
 from diffmm.data.writer import ShardWriter
 from diffmm.demo.datasets import STYLES, build_fashion_mnist, build_python_docs
-from diffmm.demo.parts import ICONS
+from diffmm.demo.imageset import STAMPS
+from diffmm.demo.evals import ICONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUPS = ["Smileys & Emotion", "Animals & Nature", "Flags"]
@@ -79,6 +80,14 @@ def demo_data(tmp_path_factory) -> str:
                 os.path.join(icons, name.replace(" ", "_"), f"i{i}.png"))
     with open(os.path.join(icons, "classes.json"), "w") as f:
         json.dump({"classes": classes, "templates": ["an emoji of {}.", "an icon of {}."]}, f)
+    stamps = os.path.join(data, STAMPS)  # the second non-emoji set, as `diffmm shards demo-stamps` writes it
+    for c, name in enumerate(["animals", "food"]):
+        os.makedirs(os.path.join(stamps, name))
+        for i in range(3 + c):
+            Image.fromarray(np.random.default_rng(100 + c * 10 + i).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
+                os.path.join(stamps, name, f"s{i}.png"))
+    with open(os.path.join(stamps, "classes.json"), "w") as f:
+        json.dump({"classes": ["animals", "food"], "templates": ["an emoji of {}."], "majority_share": 4 / 7}, f)
     idx = root / "idx"
     idx.mkdir()
     rng = np.random.default_rng(0)

@@ -32,6 +32,7 @@ def test_demo_dinov2_part(demo_data, configs, tmp_path):
         run = part["runs"][label]["0"]
         assert run["train"]["steps"] == 3 and run["zs_group"]["classes"] == 3 and run["zs_icons"]["classes"] == 3
         assert run["zs_fmnist"]["classes"] == 10 and run["zs_fmnist"]["images"] == 40
+        assert run["zs_stamps"]["images"] == 7 and run["zs_stamps"]["classes"] == 2
     # only the differential model has lambdas, those of the upcycled last block
     assert list(part["runs"][MODELS[1]]["0"]["train"]["lambdas"]) and all(
         k.startswith("visual.blocks.11.") for k in part["runs"][MODELS[1]]["0"]["train"]["lambdas"])

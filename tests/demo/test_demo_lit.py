@@ -30,6 +30,8 @@ def test_demo_lit_part(demo_data, configs, tmp_path):
         assert run["train"]["steps"] == 2 and run["zs_group"]["classes"] == 3 and run["zs_subgroup"]["classes"] == 4
         assert run["zs_group"]["chance_top1"] == pytest.approx(1 / 3) and run["retrieval"]["images"] == 24
         assert run["zs_icons"]["images"] == 12 and run["zs_icons"]["classes"] == 3
+        assert run["zs_stamps"]["images"] == 7 and run["zs_stamps"]["majority"] == pytest.approx(4 / 7)
+        assert 0 <= run["zs_stamps"]["mean_per_class"] <= 1 and run["zs_stamps"]["chance_top1"] == 0.5
     # the unlocked upcycled MiniLM has differential text layers whose lambdas are logged; the locked ones have none
     lambdas = part["runs"][MODELS[2]]["0"]["train"]["lambdas"]
     assert any(k.startswith("text.") for k in lambdas) and any(k.startswith("visual.") for k in lambdas)

@@ -1,4 +1,5 @@
-"""The icon image set builder on a fake ``@iconify-json`` package (no network, no npm)."""
+"""The non-emoji image set builders: icons on a fake ``@iconify-json`` package (no network, no npm), Tux Paint stamps
+on a fake stamps folder (no Debian package)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from diffmm.demo.imageset import build_icons, class_name
+from diffmm.demo.imageset import STAMPS, build_icons, build_stamps, class_name
 from diffmm.eval.image_sources import ImageFolderSource
 
 BOX = '<path fill="#{}" d="M2 2h12v12H2z"/>'
@@ -65,3 +66,41 @@ def test_build_icons_refuses_emoji_and_names_missing_package(tmp_path):
     with pytest.raises(ValueError, match="no publisher category"):
         build_icons(str(tmp_path / "data"), "fake-color", min_images=50, npm_dir=fake_iconify(tmp_path / "b"),
                     progress=False)
+
+
+def fake_stamps(tmp_path):
+    """A stamps folder as Tux Paint's: categories with nested subfolders, RGBA PNGs of any aspect, .txt descriptions,
+    an SVG (not taken), a damaged PNG (skipped and counted) and a category with one stamp (dropped)."""
+    root = tmp_path / "stamps"
+    stamps = [("animals/mammals/cat", (200, 0, 0, 255), (40, 20)), ("animals/birds/owl", (0, 200, 0, 128), (10, 30)),
+              ("animals/dog", (0, 0, 200, 255), (16, 16)), ("food/fruit/apple", (9, 9, 9, 0), (8, 8)),
+              ("food/pear", (50, 50, 50, 255), (8, 8)), ("space/moon", (1, 1, 1, 255), (8, 8))]
+    for rel, color, size in stamps:
+        path = root / (rel + ".png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGBA", size, color).save(path)
+        path.with_suffix(".txt").write_text(f"A {rel.rsplit('/', 1)[1]}.\nfr.utf8=Un ...\n")
+    (root / "food" / "broken.png").write_bytes(b"not a png")
+    (root / "food" / "leaf.svg").write_text("<svg/>")
+    return str(root)
+
+
+def test_build_stamps_layout_labels_and_skips(tmp_path):
+    meta = build_stamps(str(tmp_path / "data"), root=fake_stamps(tmp_path), size=24, min_images=2, progress=False)
+    assert meta["classes"] == ["animals", "food"] and meta["counts"] == {"animals": 3, "food": 2}
+    assert meta["dropped_categories"] == ["space"] and list(meta["skipped"]) == ["food/broken.png"]
+    assert meta["majority_share"] == 3 / 5
+    assert meta["stamps"]["animals/animals__mammals__cat.png"] == {"description": "A cat.", "subcategory": "mammals"}
+    assert meta["stamps"]["animals/animals__dog.png"]["subcategory"] == "animals"
+    folder = tmp_path / "data" / STAMPS
+    img = Image.open(folder / "animals" / "animals__mammals__cat.png")
+    assert img.size == (24, 24) and img.mode == "RGB"
+    assert img.getpixel((0, 0)) == (255, 255, 255) and img.getpixel((12, 12))[0] > 150  # centred on white
+    assert json.loads((folder / "classes.json").read_text())["classes"] == meta["classes"]
+    source = ImageFolderSource(str(folder), transform=lambda im: im, classnames=meta["classes"])
+    assert [label for _, label in source.dataset.files] == [0, 0, 0, 1, 1]
+
+
+def test_build_stamps_names_the_debian_package(tmp_path):
+    with pytest.raises(FileNotFoundError, match="install the Debian package tuxpaint-stamps-default"):
+        build_stamps(str(tmp_path / "data"), root=str(tmp_path / "missing"), progress=False)

@@ -12,12 +12,20 @@ import torch
 import diffmm
 from diffmm.models.clip.preprocess import tokenizer_for
 from diffmm.train import CLIPModule
+from diffmm.train.clip_module import SHARED_IMAGE_CACHES, clear_image_caches
 from diffmm.train.cli import run_cli
 from train_configs import SHRINK, clip_config, write_yaml
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 #: a 3-block image tower, so that blocks can be cached below an unlocked one
 KWARGS = {**SHRINK, "vision_cfg": {**SHRINK["vision_cfg"], "layers": 3}}
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    clear_image_caches()
+    yield
+    clear_image_caches()
 
 
 def module(attn: str = "diff", seed: int = 0, **kw) -> CLIPModule:
@@ -109,3 +117,27 @@ def test_fit_cached_image_tower(tmp_path, image_text_data, crop_scale):
     with torch.no_grad():
         torch.testing.assert_close(loaded.encode_image(images), cli.model.model.eval().encode_image(images),
                                    atol=0.0, rtol=0.0)
+
+
+def test_modules_with_the_same_locked_weights_share_the_cache():
+    """Two modules whose locked blocks are equal share one cache (the second computes nothing new, and its features
+    are its own: the unlocked block differs); a changed locked weight or another start gets its own cache."""
+    kw = dict(lock_image=True, lock_image_unlocked=["visual.blocks.2."], cache_image_features=True)
+    a, b, c = module(seed=0, **kw), module(seed=1, **kw), module(seed=0, **kw)
+    b.model.visual.load_state_dict({k: v for k, v in a.model.visual.state_dict().items()
+                                    if not k.startswith(("blocks.2.", "norm."))}, strict=False)
+    images, tokens = batch(a)
+    a.features(images, tokens)
+    computed = []
+    b.model.visual.prefix = lambda *args: computed.append(1) or pytest.fail("recomputed a cached image")
+    plain = module(seed=1, lock_image=True, lock_image_unlocked=["visual.blocks.2."])
+    plain.model.load_state_dict(b.model.state_dict())
+    for x, y in zip(b.features(images, tokens), plain.features(images, tokens)):
+        torch.testing.assert_close(x, y, **TOL)
+    assert a._image_cache is b._image_cache and len(SHARED_IMAGE_CACHES) == 1
+    with torch.no_grad():
+        c.model.visual.blocks[0].mlp.fc1.weight.add_(1e-3)
+    c.features(images, tokens)
+    d = module(seed=0, lock_image=True, lock_image_unlocked=["visual.blocks.1."], cache_image_features=True)
+    d.features(images, tokens)
+    assert len(SHARED_IMAGE_CACHES) == 3 and c._image_cache is not a._image_cache
