@@ -8,7 +8,8 @@ Each generated section of a doc sits between two markers and is rewritten from i
 
 | section | doc | source |
 |---|---|---|
-| ``demo-run``, ``demo-clip``, ``demo-lm`` | docs/results.md | ``results/demo/results.json`` (``diffmm demo``) |
+| ``demo-run``, ``demo-lit``, ``demo-dinov2`` | docs/results.md | ``results/demo/results.json`` (``diffmm demo``) |
+| ``demo-clip``, ``demo-lm`` | docs/results.md | ``results/demo_scratch/results.json`` (the from-scratch run) |
 
     python scripts/results_tables.py                       # rewrite the generated sections
     python scripts/results_tables.py --check               # exit 1 and name the stale sections
@@ -100,6 +101,7 @@ DOC = "docs/results.md"  # the doc with generated sections
 SECTIONS: dict[str, tuple[Callable[[str], str], str]] = {  # name -> (render, the run folder it reads)
     "demo-run": (demo_run, DEMO_DIR),
     "demo-lit": (demo_part("lit", "LiT"), DEMO_DIR),
+    "demo-dinov2": (demo_part("dinov2", "DINOv2 LiT"), DEMO_DIR),
     "demo-clip": (demo_part("clip", "image-text", SCRATCH_DIR), SCRATCH_DIR),
     "demo-lm": (demo_part("lm", "language", SCRATCH_DIR), SCRATCH_DIR),
 }

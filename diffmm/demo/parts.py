@@ -215,7 +215,7 @@ def dinov2_part(data: str, steps: int, workers: int, holdout: str, quick: bool, 
     styles = [s for s in STYLES if s not in (holdout, "google")]
     held = os.path.join(data, "emoji", holdout, "*.tar")
     train = [os.path.join(data, "emoji", s, "*.tar") for s in styles]
-    n_held, n_retrieval, n_fmnist = (512 if quick else None), (512 if quick else 1024), (512 if quick else 2000)
+    n_held, n_retrieval, n_fmnist = (512 if quick else None), (512 if quick else 1024), (512 if quick else 1000)
     warmup, pct = max(1, steps // 10), dict(higher_is_better=True, percent=True)
     return Part(
         "dinov2", "lit-dinov2", "LiT on pretrained DINOv2 and MiniLM: standard vs differential last block "
@@ -233,17 +233,16 @@ def dinov2_part(data: str, steps: int, workers: int, holdout: str, quick: bool, 
         f"norm train at image_lr, the projections at lr, against the locked all-MiniLM-L6-v2 (cached), on the emoji "
         f"styles {', '.join(styles)} for {steps} steps of 64 pairs (warmup {warmup}, the rest as in the config "
         f"files), the same seeds and data order. Evaluated as the LiT part on the held-out style `{holdout}`, and "
-        f"zero-shot on images that are not emoji: {STAMPS} (17 categories), {ICONS} (31) and Fashion-MNIST test "
-        f"({n_fmnist} grey 28 px photos of clothes, 10 classes; its own prompts averaged with the emoji prompt).",
+        f"zero-shot on images that are not emoji: {STAMPS} (Tux Paint's 802 PNG stamps, 17 categories) and "
+        f"Fashion-MNIST test ({n_fmnist} grey 28 px photos of clothes, 10 classes; its own prompts averaged with the "
+        f"emoji prompt). The colour icons of the LiT part are left out here to keep the demo within its time.",
         {**held_out_zero_shot(data, held, n_held), "retrieval": held_out_retrieval(held, n_retrieval),
-         "zs_stamps": stamps_zero_shot(data), "zs_icons": icons_zero_shot(data),
-         "zs_fmnist": fashion_zero_shot(data, n_fmnist)},
-        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_stamps_metrics(pct), *_icons_metrics(pct),
-         _fashion_metric(pct),
+         "zs_stamps": stamps_zero_shot(data), "zs_fmnist": fashion_zero_shot(data, n_fmnist)},
+        [*_held_out_metrics(pct), *_retrieval_metrics(pct), *_stamps_metrics(pct), _fashion_metric(pct),
          metric("train_loss", "final train loss (contrastive)", "train.final_train_loss", False, digits=3,
                 chance="train.chance_loss"),
          metric("throughput", "training throughput, samples/s", "train.throughput", None, digits=1)],
-        {}, ("emoji", "icons", "stamps", "fashion-mnist"),
+        {}, ("emoji", "stamps", "fashion-mnist"),
         ("predictions and attention maps", lit_pictures(data, held, "LiT DiffCLIP-DINOv2", prefix="dinov2")),
         loss_classes=64)
 
