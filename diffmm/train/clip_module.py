@@ -276,7 +276,8 @@ class CLIPModule(TrainModule):
             self._image_cache = SHARED_IMAGE_CACHES.setdefault(prefix_fingerprint(visual, start), {})
             self._image_cache_bound = True
         cache = self._image_cache
-        keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).digest() for row in images.detach().cpu()]
+        keys = [hashlib.blake2b(row.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+                for row in images.detach().cpu().contiguous()]  # bytes of any dtype (bf16 has no numpy type)
         new: dict[bytes, int] = {}
         for i, k in enumerate(keys):
             if k not in cache:

