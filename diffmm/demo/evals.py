@@ -81,7 +81,7 @@ def held_out_zero_shot(data: str, held: str, n: Optional[int]) -> dict[str, Call
             feats, labels = features(model)
             ranked = (feats @ build_zero_shot_classifier(model, tokenizer_for(model), names, [EMOJI_TEMPLATE])).topk(
                 min(5, len(names)), dim=1).indices  # (N, 5)
-            hit = ranked == labels[level][:, None]
+            hit = ranked == labels[level].to(ranked.device)[:, None]
             return {"top1": hit[:, 0].float().mean().item(), "top5": hit.any(1).float().mean().item(),
                     "images": len(feats), "classes": len(names), "chance_top1": 1 / len(names),
                     "chance_top5": min(5, len(names)) / len(names)}

@@ -143,6 +143,7 @@ def build_stamps(out: str = "data", root: str = TUXPAINT_STAMPS, size: int = 128
 
     Raises:
         FileNotFoundError: the Debian package is missing (naming it).
+        ValueError: no category has ``min_images`` PNG stamps.
     """
     require_debian_file(root, "tuxpaint-stamps-default")
     found: dict[str, list[str]] = {}
@@ -152,6 +153,8 @@ def build_stamps(out: str = "data", root: str = TUXPAINT_STAMPS, size: int = 128
             found.setdefault(rel.split(os.sep)[0], []).extend(
                 os.path.join(dirpath, f) for f in files if f.endswith(".png"))
     kept = {c: sorted(paths) for c, paths in sorted(found.items()) if len(paths) >= min_images}
+    if not kept:
+        raise ValueError(f"{root}: no category folder has {min_images} or more PNG stamps")
     os.makedirs(out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{STAMPS}.tmp-", dir=out)  # build aside, then swap in: no half-built folder
     stamps, skipped = {}, {}

@@ -215,7 +215,7 @@ def dinov2_part(data: str, steps: int, workers: int, holdout: str, quick: bool, 
     styles = [s for s in STYLES if s not in (holdout, "google")]
     held = os.path.join(data, "emoji", holdout, "*.tar")
     train = [os.path.join(data, "emoji", s, "*.tar") for s in styles]
-    n_held, n_retrieval, n_fmnist = (512 if quick else None), (512 if quick else 1024), (512 if quick else 1000)
+    n_held, n_retrieval, n_fmnist = (512 if quick else None), (512 if quick else 1024), (512 if quick else 1024)
     warmup, pct = max(1, steps // 10), dict(higher_is_better=True, percent=True)
     return Part(
         "dinov2", "lit-dinov2", "LiT on pretrained DINOv2 and MiniLM: standard vs differential last block "

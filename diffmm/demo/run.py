@@ -26,13 +26,14 @@ from matplotlib.figure import Figure
 
 from diffmm import __version__
 from diffmm.demo.datasets import STYLES, build_emoji, build_fashion_mnist, build_python_docs
-from diffmm.demo.imageset import STAMPS, build_icons, build_stamps
 from diffmm.demo.evals import ICONS
+from diffmm.demo.imageset import STAMPS, build_icons, build_stamps
 from diffmm.demo.parts import Part, build_parts
 from diffmm.demo.report import write_report
 from diffmm.eval.plots import plot_loss_curves, read_metrics_csv
 from diffmm.hub.factory import load_pretrained
 from diffmm.train.cli import run_cli
+from diffmm.train.clip_module import clear_image_caches
 from diffmm.train.monitor import lambda_layers, lambda_values
 
 PARTS = ("lit", "dinov2", "clip", "lm", "recall")
@@ -172,6 +173,7 @@ class Demo:
         evaluated = all({"train", *part.evals} <= set(r) for rs in res["runs"].values() for r in rs.values()) or None
         self.step(f"plot {part.plot[0]} ({part.key})", lambda: part.plot[1](res, self.out), (evaluated,),
                   (res["plots"], part.plot[0]))
+        clear_image_caches()  # the part's cached image tokens (DINOv2's locked blocks) are not needed after it
 
 
 def _layer_label(name: str) -> str:

@@ -39,12 +39,11 @@ from diffmm.hub.checkpoint import (MODEL_CONFIG_KEY, check_state_dict, is_lightn
 from diffmm.hub.clip_formats import (CLIP_LAYOUTS, check_attention_types, clip_layout, load_clip,
                                      load_weights_and_config, strict_load)
 from diffmm.hub.difflama import is_difflama_folder, load_difflama
-from diffmm.hub.dinov2_onnx import DINOV2_VISION, diffclip_vision_state_dict
 from diffmm.hub.diffmm_export import is_export_folder, load_export
 from diffmm.hub.open_clip_models import create_native, diffclip_config, download_tag
 from diffmm.hub.precision import check_precision, set_precision
-from diffmm.models.clip.config import (CLIPConfig, UnknownModelError, get_model_config, layer_attn_types, list_models,
-                                       load_config_file)
+from diffmm.hub.pretrained_vision import init_pretrained_vision
+from diffmm.models.clip.config import CLIPConfig, UnknownModelError, get_model_config, list_models, load_config_file
 from diffmm.models.clip.hf_text import HFTokenizer
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
@@ -262,26 +261,6 @@ def create_model(model_name: str, pretrained: Optional[str] = None, *, device: U
     if getattr(model, "diffmm_open_clip_precision", None) == precision:
         return model  # open_clip's factory set it
     return set_precision(model, precision)
-
-
-def init_pretrained_vision(cfg: CLIPConfig, seed: int = 0) -> DiffCLIP:
-    """A DiffCLIP whose image tower starts from ``cfg.vision_cfg.pretrained`` (DINOv2 from an ONNX file: the
-    tower's shape must be DINOv2 ViT-S/14's): built with standard attention, the weights loaded strictly, then the
-    layers whose ``attn_type`` is not ``standard`` upcycled (function-preserving; their random parts drawn from
-    ``seed``). The model's config then names the upcycled layer types, so its checkpoints rebuild without this."""
-    v = cfg.vision_cfg
-    wrong = [f"{k} {getattr(v, k)!r} (DINOv2: {want!r})" for k, want in DINOV2_VISION.items() if getattr(v, k) != want]
-    if wrong or v.layer_scale_init is None:
-        raise ValueError(f"vision_cfg.pretrained {v.pretrained!r} is a DINOv2 ViT-S/14; the config's vision_cfg has "
-                         + ", ".join(wrong or ["no layer_scale_init (DINOv2 has layer scale)"]))
-    types = layer_attn_types(v)
-    model = DiffCLIP(cfg.replace(vision_cfg={"attn_type": "standard"}))
-    model.visual.load_state_dict(diffclip_vision_state_dict(v.pretrained, v.image_size), strict=True)
-    generator = torch.Generator().manual_seed(seed)
-    for attn_type in dict.fromkeys(t for t in types if t != "standard"):
-        swap_attention(model, towers="visual", layers=[i for i, t in enumerate(types) if t == attn_type],
-                       init="upcycle", attn_type=attn_type, lambda_init=v.lambda_init, generator=generator)
-    return model
 
 
 #: the keys of ``swap=`` (those of :func:`diffmm.swap_attention`; ``attention`` is its ``attn_type``)

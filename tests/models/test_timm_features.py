@@ -22,7 +22,9 @@ from diffmm.models.timm_models import TIMM_CONFIGS, timm_name, vit_kwargs
 
 CONFIG_OF = {timm_name(n): n for n in TIMM_CONFIGS}
 ALL = timm.list_models("diffmm_*")
-SMALL = [n for n in ALL if get_model_config(CONFIG_OF[n]).vision_cfg.width <= 256]  # the Tiny towers: run on CPU
+# the towers that run on CPU in the tests: the Tiny ones, and the DINOv2-shaped one (layer scale: timm's init_values)
+SMALL = [n for n in ALL if get_model_config(CONFIG_OF[n]).vision_cfg.width <= 256
+         or get_model_config(CONFIG_OF[n]).vision_cfg.layer_scale_init is not None]
 
 
 def _vision(name):

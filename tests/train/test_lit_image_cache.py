@@ -141,3 +141,18 @@ def test_modules_with_the_same_locked_weights_share_the_cache():
     d = module(seed=0, lock_image=True, lock_image_unlocked=["visual.blocks.1."], cache_image_features=True)
     d.features(images, tokens)
     assert len(SHARED_IMAGE_CACHES) == 3 and c._image_cache is not a._image_cache
+
+
+def test_low_precision_weights():
+    """Images are cast to the patch embedding's dtype, as encode_image does (bf16 weights: no dtype error)."""
+    kw = dict(lock_image=True, lock_image_unlocked=["visual.blocks.2."])
+    torch.manual_seed(0)
+    cached = CLIPModule(model_name="DiffCLIP-Tiny", model_kwargs={**KWARGS, "precision": "bf16"},
+                        cache_image_features=True, **kw)
+    torch.manual_seed(0)
+    plain = CLIPModule(model_name="DiffCLIP-Tiny", model_kwargs={**KWARGS, "precision": "bf16"}, **kw)
+    plain.model.load_state_dict(cached.model.state_dict())
+    assert cached.model.visual.patch_embed.proj.weight.dtype == torch.bfloat16
+    images, tokens = batch(cached)
+    for a, b in zip(cached.features(images, tokens), plain.features(images, tokens)):
+        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
