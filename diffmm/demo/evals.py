@@ -59,8 +59,10 @@ def attention_maps(held: str, prefix: str, n: int = 4) -> Callable[[dict, str], 
 
 
 def held_out_zero_shot(data: str, held: str, n: Optional[int]) -> dict[str, Callable[[Any, int], dict]]:
-    """``zs_group`` and ``zs_subgroup``: :func:`emoji_zero_shot` by group and by subgroup, with the held-out images
-    encoded once per model (the second evaluation reuses the first's image features; the numbers are the same)."""
+    """``zs_group`` and ``zs_subgroup``: zero-shot on the held-out emoji shards by emoji group and by subgroup (names
+    lower-cased, '-' -> ' ', the prompt :data:`EMOJI_TEMPLATE`), the first ``n`` images rounded up to batches of 128
+    (None: all). The images are encoded once per model: the second evaluation reuses the first's image features
+    (the numbers equal :func:`~diffmm.eval.zeroshot.zero_shot`'s, tests/demo/test_demo_evals.py)."""
     memo: dict[str, Any] = {}
 
     def features(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -98,18 +100,23 @@ def held_out_retrieval(held: str, n: Optional[int]) -> Callable[[Any, int], dict
     return run
 
 
+def _image_set_zero_shot(model, root: str, templates: Optional[int] = None) -> tuple[Any, dict]:
+    """Zero-shot on a non-emoji image set (an image folder with ``classes.json``) with its own class names and its
+    first ``templates`` prompts (all: None); the result and the set's classes.json."""
+    with open(os.path.join(root, "classes.json")) as f:
+        c = json.load(f)
+    source = open_image_source(root, transforms_for(model)[1], classnames=c["classes"], batch_size=128, num_workers=0)
+    r = zero_shot(model, tokenizer_for(model), source, c["classes"], list(c["templates"][:templates]),
+                  precision="fp32")
+    n = len(c["classes"])
+    return {"top1": r.top1, "top5": r.top5, "mean_per_class": r.mean_per_class_accuracy, "images": r.n,
+            "classes": n, "chance_top1": 1 / n, "chance_top5": min(5, n) / n}, c
+
+
 def icons_zero_shot(data: str) -> Callable[[Any, int], dict]:
-    """Zero-shot on the non-emoji icon set (``diffmm shards demo-icons``): 31 publisher categories as class names."""
-    def run(model, seed: int) -> dict:
-        root = os.path.join(data, ICONS)
-        with open(os.path.join(root, "classes.json")) as f:
-            c = json.load(f)
-        source = open_image_source(root, transforms_for(model)[1], classnames=c["classes"], batch_size=128,
-                                   num_workers=0)
-        r = zero_shot(model, tokenizer_for(model), source, c["classes"], list(c["templates"][:1]), precision="fp32")
-        return {"top1": r.top1, "top5": r.top5, "images": r.n, "classes": len(c["classes"]),
-                "chance_top1": 1 / len(c["classes"]), "chance_top5": 5 / len(c["classes"])}
-    return run
+    """Zero-shot on the non-emoji icon set (``diffmm shards demo-icons``): 31 publisher categories as class names,
+    the first prompt."""
+    return lambda model, seed: _image_set_zero_shot(model, os.path.join(data, ICONS), templates=1)[0]
 
 
 def stamps_zero_shot(data: str) -> Callable[[Any, int], dict]:
@@ -117,15 +124,8 @@ def stamps_zero_shot(data: str) -> Callable[[Any, int], dict]:
     publisher categories, unbalanced (the majority class, ``symbols``, holds 31 %), so the mean per-class accuracy
     is reported beside top-1, with chance and the majority share."""
     def run(model, seed: int) -> dict:
-        root = os.path.join(data, STAMPS)
-        with open(os.path.join(root, "classes.json")) as f:
-            c = json.load(f)
-        source = open_image_source(root, transforms_for(model)[1], classnames=c["classes"], batch_size=128,
-                                   num_workers=0)
-        r = zero_shot(model, tokenizer_for(model), source, c["classes"], list(c["templates"]), precision="fp32")
-        n = len(c["classes"])
-        return {"top1": r.top1, "top5": r.top5, "mean_per_class": r.mean_per_class_accuracy, "images": r.n,
-                "classes": n, "chance_top1": 1 / n, "chance_top5": min(5, n) / n, "majority": c["majority_share"]}
+        result, meta = _image_set_zero_shot(model, os.path.join(data, STAMPS))
+        return {**result, "majority": meta["majority_share"]}
     return run
 
 
