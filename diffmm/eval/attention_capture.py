@@ -6,8 +6,8 @@
         r.logits()                   # (B, Hq, N, S) raw scores q.k * scale of every query map
         r.maps()                     # (B, h, N, S) what mixes the values: A, or A1 - lambda*A2 for DIFF
 
-Supported layers: diffmm ``DiffAttention`` / ``Attention`` / ``DiffV2Attention`` (forward hooks on
-``q_proj`` / ``k_proj`` plus a pre-hook for ``rope`` / ``attn_mask`` / ``causal``), torch
+Supported layers: every diffmm attention layer (:class:`diffmm.nn.AttentionLayer`: a pre-hook translates the
+call to the native one with ``native_args``, the layer's ``capture`` gives its query/key maps and lambda), torch
 ``nn.MultiheadAttention`` (open_clip's default blocks), open_clip's ``Attention``, timm's
 ``Attention`` and ``DiffAttention`` (pre-hooks; q/k recomputed from the layer's weights).
 Calls that use a KV cache are not recorded.
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diffmm.nn.rope import apply_rope
+from diffmm.nn import AttentionLayer
 
 log = logging.getLogger("diffmm.eval")
 
@@ -144,13 +144,11 @@ class AttentionRecorder:
 
     @staticmethod
     def layer_kind(m: nn.Module) -> Optional[str]:
-        """Which hooks handle ``m``: ``standard`` / ``diff`` / ``diff_v2`` (diffmm layers), ``torch_mha``,
-        ``open_clip``, ``timm`` or ``timm_diff``; None = not an attention layer we know."""
+        """Which hooks handle ``m``: ``diffmm`` (any :class:`diffmm.nn.AttentionLayer`, swapped ones included),
+        ``torch_mha``, ``open_clip``, ``timm`` or ``timm_diff``; None = not an attention layer we know."""
         mod = type(m).__module__
-        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "num_heads", "head_dim")):
-            if hasattr(m, "lambda_proj"):
-                return "diff_v2"
-            return "diff" if hasattr(m, "lambda_full") else "standard"
+        if isinstance(m, AttentionLayer):
+            return "diffmm"
         if isinstance(m, nn.MultiheadAttention):
             return "torch_mha"
         if type(m).__name__ == "Attention" and mod.startswith("open_clip") and hasattr(m, "in_proj_weight"):
@@ -160,8 +158,7 @@ class AttentionRecorder:
         return None
 
     def __enter__(self) -> "AttentionRecorder":
-        hooks = {"standard": self._hook_diffmm, "diff": self._hook_diffmm, "diff_v2": self._hook_diffmm,
-                 "torch_mha": self._hook_torch_mha, "open_clip": self._hook_fused_qkv,
+        hooks = {"diffmm": self._hook_diffmm, "torch_mha": self._hook_torch_mha, "open_clip": self._hook_fused_qkv,
                  "timm": self._hook_fused_qkv, "timm_diff": self._hook_fused_qkv}
         inside: list[str] = []
         for name, m in self.model.named_modules():
@@ -181,63 +178,36 @@ class AttentionRecorder:
             h.remove()
         self._handles.clear()
 
-    # ---- diffmm layers: hooks on q_proj / k_proj and on the layer
-    def _hook_diffmm(self, name: str, m: nn.Module, kind: str) -> None:
-        state: dict[str, Any] = {}
-
+    # ---- diffmm layers (in any call convention): the call translated to the native one, maps from the layer
+    def _hook_diffmm(self, name: str, m: AttentionLayer, kind: str) -> None:
         def pre(mod, args, kwargs):
-            state.clear()
-            state["x"] = args[0] if args else kwargs["x"]
-            state["kw"] = kwargs
-
-        def grab(key):
-            def hook(mod, args, out):
-                state[key] = out
-            return hook
-
-        def post(mod, args, kwargs, out):
-            if state.get("kw", {}).get("kv_cache") is not None:
+            call = mod.native_args(*args, **kwargs)
+            if call.get("kv_cache") is not None:
                 if not self._skipped_cache:
                     log.warning("AttentionRecorder: calls with a KV cache are not recorded")
                     self._skipped_cache = True
                 return
-            self._emit(self._diffmm_record(name, mod, kind, state))
+            with torch.no_grad():
+                self._emit(self._diffmm_record(name, mod, call))
 
-        self._handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
-                          m.q_proj.register_forward_hook(grab("q")), m.k_proj.register_forward_hook(grab("k")),
-                          m.register_forward_hook(post, with_kwargs=True)]
+        self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
     @staticmethod
-    def _diffmm_record(name: str, m: nn.Module, kind: str, state: dict) -> AttentionRecord:
-        x, kw = state["x"], state["kw"]
-        B, N, _ = x.shape
-        S = state["k"].shape[1]
-        h, hk, d = m.num_heads, m.num_kv_heads, m.head_dim
-        if kind == "diff":  # query map c of head c // 2 reads key map c % 2 of its kv group
-            q, k = state["q"].view(B, N, 2 * h, d), state["k"].view(B, S, 2 * hk, d)
-            kv_index = torch.tensor([2 * (c // 2 // (h // hk)) + c % 2 for c in range(2 * h)])
-        elif kind == "diff_v2":
-            q, k = state["q"].view(B, N, 2 * h, d), state["k"].view(B, S, hk, d)
-            kv_index = torch.arange(2 * h) // (2 * h // hk)
-        else:
-            q, k = state["q"].view(B, N, h, d), state["k"].view(B, S, hk, d)
-            kv_index = torch.arange(h) // (h // hk)
-        if getattr(m, "use_rope", False) and kw.get("rope") is not None:
-            q, k = apply_rope(q, *kw["rope"]), apply_rope(k, *kw["rope"])
-        q, k = _fp(q).transpose(1, 2), _fp(k).transpose(1, 2)  # (B, Hq, N, d), (B, Hk, S, d)
-        causal = m.causal if kw.get("causal") is None else kw["causal"]
-        am = kw.get("attn_mask")
+    def _diffmm_record(name: str, m: AttentionLayer, call: dict) -> AttentionRecord:
+        x = call["x"]
+        N = x.shape[1]
+        qk = m.capture(x, call.get("rope"))
+        q, k = _fp(qk.q).transpose(1, 2), _fp(qk.k).transpose(1, 2)  # (B, Hq, N, d), (B, Hk, S, d)
+        causal = m.causal if call.get("causal") is None else call["causal"]
+        am = call.get("attn_mask")
         mask = _additive(am, true_means_masked=False, key_padding=am is not None and am.dtype == torch.bool)
-        if kind != "standard" and h > 1 and mask is not None and mask.shape[1] == h:
-            mask = mask.repeat_interleave(2, dim=1)  # a per-head mask applies to both query maps of the head
+        Hq, h = q.shape[1], m.num_heads
+        if Hq != h and h > 1 and mask is not None and mask.shape[1] == h:
+            mask = mask.repeat_interleave(Hq // h, dim=1)  # a per-head mask applies to every query map of the head
         if causal:
-            mask = _add(mask, _causal(N, S, q.device))
-        lam = None
-        if kind == "diff":
-            lam = _fp(m.lambda_full())
-        elif kind == "diff_v2":
-            lam = torch.sigmoid(_fp(m.lambda_logits(x)))  # (B, N, h)
-        return AttentionRecord(name, kind, q, k, d ** -0.5, kv_index.to(q.device), mask, lam)
+            mask = _add(mask, _causal(N, k.shape[2], q.device))
+        lam = None if qk.lam is None else _fp(qk.lam)
+        return AttentionRecord(name, m.capture_kind, q, k, m.head_dim ** -0.5, qk.kv_index.to(q.device), mask, lam)
 
     # ---- torch nn.MultiheadAttention (self- or cross-attention): q/k recomputed from the layer's weights
     def _hook_torch_mha(self, name: str, m: nn.MultiheadAttention, kind: str) -> None:

@@ -90,7 +90,7 @@ class LMConfig:
             raise ValueError(f"LMConfig: n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"LMConfig: RoPE needs an even head dim; n_embd / n_head = {self.head_dim}")
-        comps = ATTENTION_LAYERS[self.attention][1] if self.attention in ATTENTION_LAYERS else None
+        comps = ATTENTION_LAYERS[self.attention].head_ratio if self.attention in ATTENTION_LAYERS else None
         if comps and (self.n_head % comps or self.n_kv_head % comps):
             raise ValueError(f"LMConfig: attention {self.attention!r} halves the heads; n_head {self.n_head} and "
                              f"n_kv_head {self.n_kv_head} must be divisible by {comps}")

@@ -11,8 +11,9 @@ Two initialisations:
 
 - ``init='scratch'``: a fresh layer of ``attn_type`` with its own (the paper's) init; the pretrained attention
   weights are dropped.
-- ``init='upcycle'``: a function-preserving layer built from the pretrained weights (``diffmm.models.upcycle``),
-  so the swapped model's outputs at step 0 equal the original's.
+- ``init='upcycle'``: a function-preserving layer built from the pretrained weights (the type's
+  ``upcycle_to`` and ``load_standard``, :class:`diffmm.nn.AttentionLayer`), so the swapped model's outputs at
+  step 0 equal the original's.
 
 The new layer is built as the adapter class of the replaced layer's call convention
 (:mod:`diffmm.models.attn_adapters`), so the block calls it as it called the old one.
@@ -26,11 +27,10 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention as TimmAttention
 
-from diffmm.models.attn_adapters import HFBertCall, TimmCall, adapter_class, components_of
+from diffmm.models.attn_adapters import HFBertCall, adapter_class
 from diffmm.models.clip.config import CLIPConfig, layer_attn_types
 from diffmm.models.clip.vision import VisionTransformer as DiffmmViT
-from diffmm.models.upcycle import UPCYCLE_TYPES, StdAttnWeights, upcycle
-from diffmm.nn import ATTENTION_LAYERS
+from diffmm.nn import UPCYCLE_TYPES, StdAttnWeights, get_attention_class
 from diffmm.nn.attention import Attention as DiffmmAttention
 
 INITS = ("scratch", "upcycle")
@@ -128,9 +128,9 @@ def extract_weights(layer: nn.Module, where: str) -> tuple[StdAttnWeights, str, 
                     f"BertAttention, diffmm Attention)")
 
 
-def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
+def find_towers(model: nn.Module) -> dict[str, Optional[list[nn.Module]]]:
     """Tower name -> its Transformer blocks (each with an ``.attn``, or a Hugging Face ``.attention``), for every
-    model type swap supports."""
+    model type swap supports; None for a tower without Transformer blocks (an open_clip ResNet image tower)."""
     hf = _hf_encoder_layers(model)
     if hf is not None:  # a bare Hugging Face encoder: the text tower
         return {"text": hf}
@@ -139,7 +139,7 @@ def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"visual": list(model.visual.blocks), "text": list(text)}
     if isinstance(model, DiffmmViT) or _is_timm_vit(model):
         return {"visual": list(model.blocks)}
-    towers: dict[str, list[nn.Module]] = {}
+    towers: dict[str, Optional[list[nn.Module]]] = {}
     visual = getattr(model, "visual", None)
     if visual is not None:
         towers["visual"] = _image_tower_blocks(visual)
@@ -156,7 +156,7 @@ def find_towers(model: nn.Module) -> dict[str, list[nn.Module]]:
         towers["text"] = list(model.transformer.resblocks)
     if not towers and hasattr(getattr(model, "transformer", None), "resblocks"):
         towers["visual"] = list(model.transformer.resblocks)  # a bare open_clip VisionTransformer
-    if not towers:
+    if not any(towers.values()):
         raise TypeError(f"swap_attention does not know where the attention blocks of {type(model).__name__} are")
     return towers
 
@@ -171,7 +171,7 @@ def _is_timm_vit(m: nn.Module) -> bool:
     return hasattr(m, "blocks") and hasattr(m, "patch_embed") and type(m).__module__.startswith("timm.")
 
 
-def _image_tower_blocks(visual: nn.Module) -> list[nn.Module]:
+def _image_tower_blocks(visual: nn.Module) -> Optional[list[nn.Module]]:
     trunk = getattr(visual, "trunk", None)  # open_clip TimmModel
     if trunk is not None:
         if not hasattr(trunk, "blocks"):
@@ -179,7 +179,7 @@ def _image_tower_blocks(visual: nn.Module) -> list[nn.Module]:
         return list(trunk.blocks)
     if hasattr(getattr(visual, "transformer", None), "resblocks"):
         return list(visual.transformer.resblocks)
-    raise TypeError(f"image tower {type(visual).__name__} has no Transformer blocks to swap (ResNet towers have none)")
+    return None  # a ResNet image tower has no Transformer blocks
 
 
 def get_attn(block: nn.Module) -> nn.Module:
@@ -222,21 +222,6 @@ def _resolve_layers(layers: Layers, tower: str, n: int) -> list[int]:
     return sorted(set(out))
 
 
-def new_layer(layer_cls: type, w: StdAttnWeights, *, layer_idx: int = 0, lambda_init: Union[str, float] = "constant",
-              backend: Optional[str] = None) -> nn.Module:
-    """A fresh layer of ``layer_cls`` (a registered attention class or its adapter) at the width, standard heads,
-    biases and causality of ``w``, with the layer's own init."""
-    if issubclass(layer_cls, TimmCall):  # timm's constructor (standard heads, depth)
-        return layer_cls(w.dim, w.num_heads, qkv_bias=w.qkv_bias, proj_bias=w.proj_bias, depth=layer_idx,
-                         lambda_init=lambda_init, backend=backend)
-    comps = components_of(layer_cls)
-    if w.num_heads % comps:
-        raise ValueError(f"{layer_cls.__name__} needs the heads ({w.num_heads}) divisible by {comps}")
-    return layer_cls(w.dim, w.num_heads // comps, head_dim=w.dim // w.num_heads, layer_idx=layer_idx,
-                     lambda_init=lambda_init, causal=w.causal, qkv_bias=w.qkv_bias, proj_bias=w.proj_bias,
-                     backend=backend)
-
-
 def replacement_layer(old: nn.Module, *, attn_type: str = "diff", init: str = "scratch", layer_idx: int = 0,
                       lambda_init: Union[str, float] = "constant", backend: Optional[str] = None,
                       generator: Optional[torch.Generator] = None, where: str = "layer") -> nn.Module:
@@ -244,11 +229,12 @@ def replacement_layer(old: nn.Module, *, attn_type: str = "diff", init: str = "s
     as the adapter class of ``old``'s call convention, on ``old``'s device and dtype, in ``old``'s train mode."""
     w, convention, attrs = extract_weights(old, where)
     target = UPCYCLE_TYPES[attn_type] if init == "upcycle" else attn_type
-    layer_cls = adapter_class(convention, ATTENTION_LAYERS[target][0])
-    new = new_layer(layer_cls, w, layer_idx=layer_idx, lambda_init=lambda_init,
-                    backend=backend if backend is not None else getattr(old, "backend", None))
+    layer_cls = adapter_class(convention, get_attention_class(target))
+    new = layer_cls.build(w.dim, w.num_heads, layer_idx=layer_idx, lambda_init=lambda_init, causal=w.causal,
+                          qkv_bias=w.qkv_bias, proj_bias=w.proj_bias,
+                          backend=backend if backend is not None else getattr(old, "backend", None))
     if init == "upcycle":
-        upcycle(new, w, generator=generator)
+        new.load_standard(w, generator=generator)
     ref = _out_weight(old)
     new.to(device=ref.device, dtype=ref.dtype)
     for k, v in attrs.items():  # the replaced layer's call details (batch_first, heads of 3-dim masks)
@@ -266,8 +252,9 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
         model: open_clip ``CLIP`` / ``CustomTextCLIP`` (ViT or timm image tower; open_clip or Hugging Face
             BERT-family text tower), timm ViT, Hugging Face BERT-family encoder (its one tower is ``'text'``),
             or diffmm ``DiffCLIP``.
-        towers: ``'visual'`` and/or ``'text'``; default: every tower the model has (a timm ViT has only
-            ``'visual'``). Naming a tower the model lacks is an error.
+        towers: ``'visual'`` and/or ``'text'``; default: every tower with Transformer blocks (a timm ViT has only
+            ``'visual'``; an open_clip ResNet CLIP only ``'text'``). Naming a tower the model lacks, or a ResNet
+            tower, is an error.
         layers: None (all), an index, a list (negative counts from the end), or ``{tower: indices}``.
         init: ``'scratch'`` (the new layer's own init) or ``'upcycle'`` (function-preserving).
         attn_type: a registered attention type (``'diff'``, ``'diff_v2'``, ``'standard'``, ...). With
@@ -278,16 +265,20 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
     """
     if init not in INITS:
         raise ValueError(f"init {init!r}; expected one of {', '.join(INITS)}")
-    if attn_type not in ATTENTION_LAYERS:
-        raise ValueError(f"unknown attention type {attn_type!r}; expected one of {', '.join(ATTENTION_LAYERS)}")
+    get_attention_class(attn_type)  # a one-line error for an unknown type
     if init == "upcycle" and attn_type not in UPCYCLE_TYPES:
         raise NotImplementedError(f"init='upcycle' is implemented for attn_type in {', '.join(UPCYCLE_TYPES)}; "
                                   f"got {attn_type!r} (use init='scratch')")
     found = find_towers(model)
-    towers = list(found) if towers is None else [towers] if isinstance(towers, str) else list(towers)
+    towers = [t for t in found if found[t] is not None] if towers is None else (
+        [towers] if isinstance(towers, str) else list(towers))
     missing = [t for t in towers if t not in found]
     if missing:
         raise ValueError(f"{type(model).__name__} has no {', '.join(missing)} tower; it has: {', '.join(found)}")
+    for t in towers:
+        if found[t] is None:
+            raise TypeError(f"{t} tower {type(getattr(model, 'visual', model)).__name__} has no Transformer blocks "
+                            f"to swap (ResNet towers have none); swap the others with towers=...")
     record = []
     for tower in towers:
         blocks = found[tower]

@@ -31,7 +31,7 @@ from diffmm.hub.clip_convert import diffmm_vit_to_timm, open_clip_to_diffmm, tim
 from diffmm.models.attn_adapters import adapter_class
 from diffmm.models.clip.config import (IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD, VisionCfg,
                                        get_model_config, list_models)
-from diffmm.nn import ATTENTION_LAYERS, QuickGELU
+from diffmm.nn import QuickGELU, get_attention_class
 from diffmm.nn.lambdas import resolve_lambda_init
 
 
@@ -40,11 +40,9 @@ def timm_attn_layer(attn_type: str = "diff") -> type:
     and timm's DiffAttention's; automatic backend; see :func:`set_layer_depths` for others).
 
     Args:
-        attn_type: ``'diff'``, ``'standard'``, ``'diff_v2'``, ``'diff_upcycled'``.
+        attn_type: ``'diff'``, ``'standard'``, ``'diff_v2'``, ``'diff_upcycled'`` or any other registered type.
     """
-    if attn_type not in ATTENTION_LAYERS:
-        raise ValueError(f"unknown attention type {attn_type!r}; expected one of {', '.join(ATTENTION_LAYERS)}")
-    return adapter_class("timm", ATTENTION_LAYERS[attn_type][0])
+    return adapter_class("timm", get_attention_class(attn_type))
 
 
 def set_layer_depths(model: nn.Module, *, lambda_init: Union[str, float, None] = None,

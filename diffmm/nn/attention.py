@@ -4,15 +4,18 @@ from __future__ import annotations
 from typing import Final, Optional
 
 import torch
+import torch.fx
 import torch.nn as nn
 
-from diffmm.nn.diff_attention import check_heads
+from diffmm.nn.attention_layer import AttentionLayer, StdAttnWeights, check_heads
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.rope import apply_rope
 from diffmm.ops import attention
 
+torch.fx.wrap("attention")  # an FX leaf: its checks and backend dispatch run on real tensors
 
-class Attention(nn.Module):
+
+class Attention(AttentionLayer, attn_type="standard"):
     """Softmax attention with GQA, RoPE, masks and a KV cache.
 
     Args:
@@ -62,6 +65,16 @@ class Attention(nn.Module):
         out = attention(q, k, v, causal=self.causal if causal is None else causal, attn_mask=attn_mask,
                         backend=self.backend)  # (B, N, H, d)
         return self.out_proj(out.reshape(B, N, H * d))
+
+    @torch.no_grad()
+    def load_standard(self, w: StdAttnWeights, *, generator: Optional[torch.Generator] = None) -> None:
+        """The same weights as ``w`` (exact)."""
+        self.to(torch.promote_types(w.wq.dtype, torch.float32))
+        for lin, wt, b in ((self.q_proj, w.wq, w.bq), (self.k_proj, w.wk, w.bk), (self.v_proj, w.wv, w.bv),
+                           (self.out_proj, w.wo, w.bo)):
+            lin.weight.copy_(wt)
+            if b is not None:
+                lin.bias.copy_(b)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"

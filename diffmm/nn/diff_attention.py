@@ -4,29 +4,21 @@ from __future__ import annotations
 from typing import Final, Optional
 
 import torch
+import torch.fx
 import torch.nn as nn
 
+from diffmm.nn.attention_layer import AttentionLayer, QKMaps, check_heads
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import lambda_full, resolve_lambda_init
 from diffmm.nn.norm import RMSNorm
 from diffmm.nn.rope import apply_rope
 from diffmm.ops import diff_attention
 
-
-def check_heads(dim: int, num_heads: int, num_kv_heads: int, head_dim: int, components: int, use_rope: bool,
-                who: str) -> None:
-    """One-line errors for impossible head layouts."""
-    if num_heads <= 0 or num_kv_heads <= 0:
-        raise ValueError(f"{who}: num_heads={num_heads} and num_kv_heads={num_kv_heads} must be positive")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{who}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-    if components * num_heads * head_dim != dim:
-        raise ValueError(f"{who}: width {dim} != {components} * num_heads {num_heads} * head_dim {head_dim}")
-    if use_rope and head_dim % 2:
-        raise ValueError(f"{who}: RoPE needs an even head_dim; got {head_dim}")
+torch.fx.wrap("diff_attention")  # FX leaves: checks, dtype choices and backend dispatch run on real tensors
+torch.fx.wrap("lambda_full")
 
 
-class DiffAttention(nn.Module):
+class DiffAttention(AttentionLayer, attn_type="diff"):
     """Multi-head differential attention.
 
     ``(softmax(Q1 K1^T/sqrt(d)) - lambda softmax(Q2 K2^T/sqrt(d))) V``, then a per-head RMSNorm
@@ -48,6 +40,9 @@ class DiffAttention(nn.Module):
     """
 
     use_rope: Final[bool]
+    head_ratio = 2  # half the heads of the standard Transformer at this width, two query/key maps each
+    upcycle_to = "diff_upcycled"  # the paper's layer cannot reproduce a pretrained one; this variant can
+    capture_kind = "diff"
 
     def __init__(self, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, layer_idx: int = 0, lambda_init: str | float = "depth",
@@ -124,6 +119,14 @@ class DiffAttention(nn.Module):
                              attn_mask=attn_mask, norm_weight=self.diff_norm.weight, lambda_init=self.lambda_init,
                              eps=self.diff_norm.eps, backend=self.backend)  # (B, N, h, 2d)
         return self.out_proj(out.reshape(B, N, 2 * h * d))
+
+    def capture(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> QKMaps:
+        """Query maps (B, N, 2h, d), key maps (B, N, 2h_kv, d); map c of head c // 2 reads key map c % 2 of its kv
+        group; lambda as a 0-d tensor."""
+        h, hk = self.num_heads, self.num_kv_heads
+        q, k = self._project(x, rope, 2 * h, 2 * hk)
+        c = torch.arange(2 * h, device=x.device)
+        return QKMaps(q, k, 2 * (c // 2 // (h // hk)) + c % 2, self.lambda_full())
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

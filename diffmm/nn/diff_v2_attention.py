@@ -4,24 +4,26 @@ Width conventions (official unilm ``Diff-Transformer-V2``): V2 keeps the baselin
 heads, head dim and kv heads, and doubles only the query maps. At width E with H standard heads of
 dim d = E / H, V2 has h = H output heads, 2H query maps of dim d, the same h_kv kv heads, an output
 projection h*d -> E identical to the baseline, and a lambda projection E -> h. So
-``create_attention('diff_v2', E, H)`` builds ``DiffV2Attention(E, H, head_dim=E // H)`` (registry
-``components=1``: no head halving, unlike V1).
+``create_attention('diff_v2', E, H)`` builds ``DiffV2Attention(E, H, head_dim=E // H)`` (``head_ratio = 1``:
+no head halving, unlike V1).
 """
 from __future__ import annotations
 
 from typing import Final, Optional
 
 import torch
+import torch.fx
 import torch.nn as nn
 
-from diffmm.nn.diff_attention import check_heads
-from diffmm.nn.factory import register_attention
+from diffmm.nn.attention_layer import AttentionLayer, QKMaps, StdAttnWeights, check_heads, pair_rows
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.rope import apply_rope
 from diffmm.ops.diff_v2 import check_v2_heads, diff_v2_attention
 
+torch.fx.wrap("diff_v2_attention")  # an FX leaf: its checks and backend dispatch run on real tensors
 
-class DiffV2Attention(nn.Module):
+
+class DiffV2Attention(AttentionLayer, attn_type="diff_v2"):
     """DIFF V2: ``head_i = softmax(Q_2i K^T) V - sigmoid(x W_lambda)_i * softmax(Q_2i+1 K^T) V``.
 
     Both query maps of head i use the same kv head (i // (h / h_kv)); no per-head RMSNorm, no lambda_init.
@@ -40,6 +42,7 @@ class DiffV2Attention(nn.Module):
     """
 
     use_rope: Final[bool]
+    capture_kind = "diff_v2"  # head_ratio 1: the baseline's heads (no halving, unlike V1)
 
     def __init__(self, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, layer_idx: int = 0, lambda_init=None, qkv_bias: bool = False,
@@ -93,10 +96,33 @@ class DiffV2Attention(nn.Module):
                                 attn_mask=attn_mask, backend=self.backend)  # (B, N, h, d)
         return self.out_proj(out.reshape(B, N, h * d))
 
+    @torch.no_grad()
+    def load_standard(self, w: StdAttnWeights, *, generator: Optional[torch.Generator] = None) -> None:
+        """Compute exactly what ``w`` computes: query maps 2j and 2j+1 = the pretrained ``q_j``; K, V = the
+        pretrained ones; ``W_lambda = 0`` so ``sigmoid = 1/2`` and head_j = O_j - O_j / 2; ``out_proj = 2 Wo``."""
+        H = w.num_heads
+        self.to(torch.promote_types(w.wq.dtype, torch.float32))
+        self.q_proj.weight.copy_(pair_rows(w.wq, H))
+        self.k_proj.weight.copy_(w.wk)
+        self.v_proj.weight.copy_(w.wv)
+        if w.qkv_bias:
+            self.q_proj.bias.copy_(pair_rows(w.bq, H))
+            self.k_proj.bias.copy_(w.bk)
+            self.v_proj.bias.copy_(w.bv)
+        self.lambda_proj.weight.zero_()
+        self.out_proj.weight.copy_(2 * w.wo)
+        if w.proj_bias:
+            self.out_proj.bias.copy_(w.bo)
+
+    def capture(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> QKMaps:
+        """Query maps (B, N, 2h, d), kv heads (B, N, h_kv, d); both maps of head i read kv head
+        2i // (2h / h_kv); the per-token weights sigmoid(x W_lambda) (B, N, h)."""
+        h, hk = self.num_heads, self.num_kv_heads
+        q, k = self._project(x, rope, 2 * h, hk)
+        return QKMaps(q, k, torch.arange(2 * h, device=x.device) // (2 * h // hk),
+                      torch.sigmoid(self.lambda_logits(x)))
+
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, query_maps={2 * self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, causal={self.causal}, rope={self.use_rope}")
 
-
-# "num_heads" of create_attention = standard heads at this width = V2 output heads (no halving).
-register_attention("diff_v2", DiffV2Attention, components=1)

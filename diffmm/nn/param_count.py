@@ -26,7 +26,8 @@ def attention_param_report(dim: int, num_heads: int, num_kv_heads: Optional[int]
         dim: width E.
         num_heads / num_kv_heads: heads of the standard Transformer at this width (as ``create_attention``).
         qkv_bias / proj_bias: projection biases.
-        attn_types: registered attention types to report.
+        attn_types: registered attention types to report (any ``diffmm.nn.AttentionLayer`` subclass: its
+            parameters are counted on the meta device, its ``query_maps`` read from the layer).
 
     Returns:
         One dict per type: ``attn_type``, ``heads``, ``query_maps``, ``kv_heads``, ``head_dim``, ``params``,
@@ -44,8 +45,7 @@ def attention_param_report(dim: int, num_heads: int, num_kv_heads: Optional[int]
                              breakdown={}, note=str(e)))
             continue
         breakdown = {n: p.numel() for n, p in m.named_parameters()}
-        q_maps = m.q_proj.out_features // m.head_dim
-        rows.append(dict(attn_type=t, heads=m.num_heads, query_maps=q_maps, kv_heads=m.num_kv_heads,
+        rows.append(dict(attn_type=t, heads=m.num_heads, query_maps=m.query_maps, kv_heads=m.num_kv_heads,
                          head_dim=m.head_dim, params=sum(breakdown.values()), breakdown=breakdown, note=""))
     base = next((r["params"] for r in rows if r["attn_type"] == "standard"), None)
     for r in rows:

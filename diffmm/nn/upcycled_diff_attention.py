@@ -1,0 +1,142 @@
+"""Differential attention that reproduces a pretrained standard layer exactly ("upcycling"): the layer
+``swap_attention(attn_type='diff', init='upcycle')`` builds.
+
+A pretrained layer has H heads of dim d: ``head_j = softmax(q_j k_j^T / sqrt(d)) v_j``, ``out = [head_j] Wo + bo``.
+The paper's layer at the same width has H/2 heads whose outputs go through a per-head RMSNorm; neither the
+halved heads nor the norm can reproduce the pretrained function, so the upcycled layer changes two things
+relative to the paper's (documented in docs/models.md):
+
+1. **2x heads.** h = H differential heads of component dim d (q/k/v are 2E wide, out_proj is 2E -> E), so
+   every pretrained head keeps its own pair of maps. Upcycled weights, per head j:
+   both query/key components = the pretrained ``q_j`` / ``k_j`` (so A_2 = A_1 at step 0); the 2d-wide value is
+   ``[v_j, v_j]``; the out-proj columns of the two halves are ``Wo_j / 2 -/+ eps_j`` (eps: small noise that
+   breaks the symmetry of the halves and sums to zero); ``lambda_q2 = lambda_q1``, ``lambda_k2 = lambda_k1``
+   (random as in the paper), so lambda = lambda_init exactly.
+2. **A gated norm.** With ``raw = A / (1 - lambda_init)``,
+   ``head = raw + beta_i * (RMSNorm(A) * g * (1 - lambda_init) - raw)``
+   with ``A = (A_1 - lambda A_2) V`` and a learnable per-head gate ``beta`` (``norm_gate``) starting at 0: at
+   step 0 ``A = (1 - lambda_init) A_1 [v_j, v_j]`` and the head output is exactly the pretrained one. With
+   beta = 1 it is the paper's head (normed and scaled by 1 - lambda_init).
+
+At step 0 every new parameter has a non-zero gradient except the norm weight ``g``, whose branch is gated by
+beta = 0; it receives gradient as soon as beta moves (after the first optimiser step).
+
+DIFF V2 needs no new layer (:meth:`diffmm.nn.DiffV2Attention.load_standard`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from diffmm.nn.attention_layer import StdAttnWeights, check_heads, pair_rows
+from diffmm.nn.diff_attention import DiffAttention
+from diffmm.nn.kv_cache import KVCache
+from diffmm.nn.lambdas import resolve_lambda_init
+from diffmm.ops import diff_attention
+
+
+def gated_head_norm(a: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                    lambda_init: float) -> torch.Tensor:
+    """``raw + gate * (RMSNorm(a) * weight * (1 - lambda_init) - raw)`` with ``raw = a / (1 - lambda_init)``, per
+    head: a (B, N, h, 2d), gate (h,); computed in fp32 (fp64 stays), returned in ``a``'s dtype."""
+    af = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a
+    raw = af * (1.0 / (1.0 - lambda_init))
+    normed = af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + eps) * weight.to(af.dtype) * (1.0 - lambda_init)
+    return (raw + gate.to(af.dtype)[:, None] * (normed - raw)).to(a.dtype)
+
+
+torch.fx.wrap("diff_attention")  # FX leaves (dtype choices and backend dispatch run on real tensors)
+torch.fx.wrap("gated_head_norm")
+
+
+class UpcycledDiffAttention(DiffAttention, attn_type="diff_upcycled"):
+    """Differential attention with 2x heads and a gated per-head RMSNorm, for function-preserving upcycling.
+
+    Same parameters as :class:`diffmm.nn.DiffAttention` at twice the inner width (q/k/v: E -> 2E,
+    out_proj: 2E -> E) plus ``norm_gate`` (h,). Built by ``create_attention('diff_upcycled', E, H)`` with H
+    *standard* heads (no halving: h = H differential heads of dim d = E / H).
+
+    Args:
+        dim: model width E.
+        num_heads: differential heads h = the pretrained layer's heads.
+        num_kv_heads / head_dim / layer_idx / lambda_init / qkv_bias / proj_bias / causal / use_rope /
+            norm_eps / lambda_std / backend: as in :class:`diffmm.nn.DiffAttention`.
+    """
+
+    head_ratio = 1
+    upcycle_to = None  # it is its own upcycled type (load_standard)
+
+    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, layer_idx: int = 0, lambda_init: str | float = "constant",
+                 qkv_bias: bool = False, proj_bias: bool = False, causal: bool = False, use_rope: bool = False,
+                 norm_eps: float = 1e-5, lambda_std: float = 0.1, backend: Optional[str] = None, **unused):
+        nn.Module.__init__(self)  # DiffAttention.__init__ enforces E = 2hd; here E = hd
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if num_heads <= 0 or dim % num_heads:
+                raise ValueError(f"UpcycledDiffAttention: width {dim} is not divisible by num_heads {num_heads}")
+            head_dim = dim // num_heads
+        check_heads(dim, num_heads, num_kv_heads, head_dim, 1, use_rope, "UpcycledDiffAttention")
+        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
+        self.lambda_init_spec = lambda_init
+        self.lambda_init = resolve_lambda_init(lambda_init, layer_idx)
+        if not self.lambda_init < 1.0:
+            raise ValueError(f"UpcycledDiffAttention: lambda_init {self.lambda_init} must be < 1 "
+                             f"(the raw branch is scaled by 1 / (1 - lambda_init))")
+        self.lambda_std = lambda_std
+        self._make_params(qkv_bias, proj_bias, norm_eps)  # DiffAttention's, at E = hd
+        self.norm_gate = nn.Parameter(torch.zeros(num_heads))  # beta: 0 = raw (pretrained) head, 1 = the paper's head
+        self.reset_lambda()
+
+    def forward(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
+                causal: Optional[bool] = None) -> torch.Tensor:
+        """x (B, N, E) -> (B, N, E); arguments as in :meth:`diffmm.nn.DiffAttention.forward`."""
+        B, N, _ = x.shape
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self._qkv(x, rope, kv_cache)  # DiffAttention's projections, RoPE and cache
+        a = diff_attention(q, k, v, self.lambda_full(), causal=self.causal if causal is None else causal,
+                           attn_mask=attn_mask, backend=self.backend)  # (B, N, h, 2d) raw A, no norm
+        out = gated_head_norm(a, self.diff_norm.weight, self.norm_gate, self.diff_norm.eps, self.lambda_init)
+        return self.out_proj(out.reshape(B, N, 2 * h * d))
+
+    @torch.no_grad()
+    def load_standard(self, w: StdAttnWeights, *, generator: Optional[torch.Generator] = None,
+                      split_noise: float = 0.1) -> None:
+        """Compute exactly what ``w`` computes (see the module docstring).
+
+        Args:
+            w: the pretrained layer's weights (this layer: h = H heads of dim d at ``w``'s width).
+            generator: RNG for the lambda vectors and the split noise.
+            split_noise: std of the zero-sum noise between the two value halves' out-proj columns, relative to the
+                std of ``Wo`` (breaks their symmetry; 0 keeps them identical forever).
+        """
+        H, d, E = w.num_heads, w.head_dim, w.dim
+        ct = torch.promote_types(w.wq.dtype, torch.float32)
+        self.to(ct)
+        self.q_proj.weight.copy_(pair_rows(w.wq, H))
+        self.k_proj.weight.copy_(pair_rows(w.wk, H))
+        self.v_proj.weight.copy_(pair_rows(w.wv, H))  # value of head j = [v_j, v_j]
+        if w.qkv_bias:
+            self.q_proj.bias.copy_(pair_rows(w.bq, H))
+            self.k_proj.bias.copy_(pair_rows(w.bk, H))
+            self.v_proj.bias.copy_(pair_rows(w.bv, H))
+        wo = w.wo.to(ct).reshape(E, H, 1, d)
+        eps = torch.randn(wo.shape, generator=generator, dtype=ct, device=wo.device)
+        eps = eps * (split_noise * w.wo.float().std())
+        self.out_proj.weight.copy_(torch.cat([wo / 2 - eps, wo / 2 + eps], dim=2).reshape(E, 2 * H * d))
+        if w.proj_bias:
+            self.out_proj.bias.copy_(w.bo)
+        for p in (self.lambda_q1, self.lambda_k1):
+            p.copy_(torch.randn(d, generator=generator, dtype=ct, device=p.device) * self.lambda_std)
+        self.lambda_q2.copy_(self.lambda_q1)  # lambda = exp(a) - exp(a) + lambda_init = lambda_init
+        self.lambda_k2.copy_(self.lambda_k1)
+        self.diff_norm.weight.fill_(1.0)
+        self.norm_gate.zero_()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", upcycled (2x heads, gated norm)"
