@@ -7,12 +7,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _fmt(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {str(t.dtype).replace('torch.', '')}, device {t.device}"
+
+
+def check_4d(**tensors: torch.Tensor) -> None:
+    """Each argument is a 4-dim tensor; an FX ``Proxy`` gets its own message (call the op as an FX leaf)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.fx.Proxy):
+            raise TypeError(f"{name} is an FX Proxy: diffmm ops take real tensors; call them from a diffmm layer "
+                            f"(FX leaves) or torch.fx.wrap the op in the module that calls it")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has {_fmt(t)}; expected 4 dims")
 
 
 def _check_same(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
@@ -27,11 +40,7 @@ def check_diff_inputs(
     norm_weight: torch.Tensor | None, lambda_init,
 ) -> torch.Tensor:
     """Validate a ``diff_attention`` call. Returns ``lam`` as a 0-d tensor."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} has {_fmt(t)}; expected 4 dims")
+    check_4d(q=q, k=k, v=v)
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
     B, N, H2, d = q.shape
@@ -72,11 +81,7 @@ def check_diff_inputs(
 
 def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Validate a standard ``attention`` call: q (B, N, H, d), k (B, S, H_kv, d), v (B, S, H_kv, d_v)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} has {_fmt(t)}; expected 4 dims")
+    check_4d(q=q, k=k, v=v)
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
     B, N, H, d = q.shape
