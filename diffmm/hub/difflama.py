@@ -116,9 +116,9 @@ def hf_to_lm_config(hf: dict[str, Any], *, source: str = "config.json", **overri
     if head_dim * heads != hf["hidden_size"]:
         raise ValueError(f"{source}: head_dim {head_dim} * num_attention_heads {heads} != hidden_size "
                          f"{hf['hidden_size']}; diffmm needs them equal")
-    kw = dict(vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
-              n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=heads,
-              n_kv_head=hf.get("num_key_value_heads") or heads, attention="diff", lambda_init="depth",
+    kw = dict(vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", 2048),
+              layers=hf["num_hidden_layers"], width=hf["hidden_size"], heads=heads,
+              kv_heads=hf.get("num_key_value_heads") or heads, attn_type="diff", lambda_init="depth",
               intermediate_size=hf["intermediate_size"], rope_theta=float(theta),
               norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
               init_std=float(hf.get("initializer_range", 0.02)), lambda_std=float(hf.get("lambda_std_dev", 0.1)))

@@ -2,8 +2,10 @@
 
 nanoGPT-style: one flat config, pre-RMSNorm blocks ``x += attn(norm(x)); x += SwiGLU(norm(x))``,
 no biases, RoPE on every d-wide query/key component, final RMSNorm, tied or untied LM head.
-``LMConfig.attention`` picks the attention layer (``'diff'``, ``'standard'`` or any key of
-``diffmm.nn.ATTENTION_LAYERS``); every other line is shared by the DIFF model and its baseline.
+``LMConfig.attn_type`` picks the attention layer (``'diff'``, ``'standard'`` or any key of
+``diffmm.nn.ATTENTION_LAYERS``); every other line is shared by the DIFF model and its baseline. The config
+speaks the CLIP configs' (open_clip's) vocabulary: ``width``, ``heads``, ``layers``, ``context_length``,
+``attn_type``; nanoGPT's old keys (:data:`RENAMED_KEYS`) are still read, with a ``FutureWarning``.
 
     >>> model = DiffLM(LMConfig.from_name("diff-tiny"))
     >>> logits, loss = model(idx, targets)                  # idx, targets: (B, T) long
@@ -11,7 +13,9 @@ no biases, RoPE on every d-wide query/key component, final RMSNorm, tied or unti
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -22,12 +26,30 @@ import torch.nn.functional as F
 
 from diffmm.models.hub_mixin import DiffmmHubMixin, save_tokenizer_object
 from diffmm.models.lm_configs import LM_CONFIGS
-from diffmm.nn import ATTENTION_LAYERS, KVCache, RMSNorm, RotaryEmbedding, SwiGLU, create_attention
+from diffmm.nn import KVCache, RMSNorm, RotaryEmbedding, SwiGLU, create_attention, get_attention_class
 
 
-def swiglu_hidden(n_embd: int, multiple_of: int) -> int:
-    """SwiGLU hidden size: ``8/3 * n_embd`` rounded up to a multiple of ``multiple_of``."""
-    hidden = math.ceil(8 * n_embd / 3)
+#: LMConfig keys before LM and CLIP configs shared one vocabulary (nanoGPT's) -> today's (open_clip's, as the CLIP
+#: configs). The old keys are still read, with a FutureWarning; the old attribute names are read-only aliases.
+RENAMED_KEYS = {"block_size": "context_length", "n_layer": "layers", "n_embd": "width", "n_head": "heads",
+                "n_kv_head": "kv_heads", "attention": "attn_type"}
+
+
+def rename_keys(d: dict[str, Any], *, source: str = "LMConfig") -> dict[str, Any]:
+    """``d`` with the old keys of :data:`RENAMED_KEYS` renamed, each with a one-line ``FutureWarning``."""
+    out = dict(d)
+    for old, new in RENAMED_KEYS.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"{source}: give {new!r} or its old name {old!r}, not both")
+            warnings.warn(f"{source}: config key {old!r} is deprecated; use {new!r}", FutureWarning, stacklevel=3)
+            out[new] = out.pop(old)
+    return out
+
+
+def swiglu_hidden(width: int, multiple_of: int) -> int:
+    """SwiGLU hidden size: ``8/3 * width`` rounded up to a multiple of ``multiple_of``."""
+    hidden = math.ceil(8 * width / 3)
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
@@ -37,13 +59,13 @@ class LMConfig:
 
     Attributes:
         vocab_size: token vocabulary.
-        block_size: maximum sequence length (prompt + generated tokens; RoPE positions).
-        n_layer: decoder blocks.
-        n_embd: width E.
-        n_head: heads of the STANDARD Transformer at this width (head dim = E / n_head). A
-            differential layer gets ``n_head // 2`` heads, each with two query/key components of that dim.
-        n_kv_head: kv heads of the standard Transformer (GQA); None = n_head. Halved for diff layers.
-        attention: ``'diff'`` | ``'standard'`` | any key of ``diffmm.nn.ATTENTION_LAYERS``.
+        context_length: maximum sequence length (prompt + generated tokens; RoPE positions).
+        layers: decoder blocks.
+        width: width E.
+        heads: heads of the STANDARD Transformer at this width (head dim = E / heads). A
+            differential layer gets ``heads // 2`` heads, each with two query/key components of that dim.
+        kv_heads: kv heads of the standard Transformer (GQA); None = heads. Halved for diff layers.
+        attn_type: ``'diff'`` | ``'standard'`` | any key of ``diffmm.nn.ATTENTION_LAYERS``.
         lambda_init: ``'depth'`` (paper: 0.8 - 0.6 exp(-0.3 l)), ``'constant'`` (0.8) or a number.
         lambda_std: std of the normal init of the lambda vectors.
         intermediate_size: SwiGLU hidden size; None = 8/3*E rounded up to a multiple of ``mlp_multiple_of``.
@@ -52,17 +74,17 @@ class LMConfig:
         norm_eps: eps of every RMSNorm (block norms, final norm, per-head norm of diff layers).
         tie_embeddings: share the token embedding with the LM head.
         init_std: std of the normal init of every Linear/Embedding weight; the residual output
-            projections (attention ``out_proj``, MLP ``down_proj``) use ``init_std / sqrt(2 * n_layer)`` (GPT-2).
+            projections (attention ``out_proj``, MLP ``down_proj``) use ``init_std / sqrt(2 * layers)`` (GPT-2).
         attn_backend: ``diffmm.ops`` backend of every attention layer; None = env / automatic.
     """
 
     vocab_size: int = 50304
-    block_size: int = 1024
-    n_layer: int = 12
-    n_embd: int = 768
-    n_head: int = 12
-    n_kv_head: Optional[int] = None
-    attention: str = "diff"
+    context_length: int = 1024
+    layers: int = 12
+    width: int = 768
+    heads: int = 12
+    kv_heads: Optional[int] = None
+    attn_type: str = "diff"
     lambda_init: Union[str, float] = "depth"
     lambda_std: float = 0.1
     intermediate_size: Optional[int] = None
@@ -74,9 +96,9 @@ class LMConfig:
     attn_backend: Optional[str] = None
 
     def __post_init__(self):
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head", "mlp_multiple_of"):
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        for name in ("vocab_size", "context_length", "layers", "width", "heads", "kv_heads", "mlp_multiple_of"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LMConfig.{name} must be a positive int; got {value!r}")
@@ -84,16 +106,16 @@ class LMConfig:
                                                    or self.intermediate_size <= 0):
             raise ValueError(f"LMConfig.intermediate_size must be a positive int or None; "
                              f"got {self.intermediate_size!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"LMConfig: n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"LMConfig: n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}")
+        if self.width % self.heads:
+            raise ValueError(f"LMConfig: width {self.width} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"LMConfig: heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"LMConfig: RoPE needs an even head dim; n_embd / n_head = {self.head_dim}")
-        comps = ATTENTION_LAYERS[self.attention].head_ratio if self.attention in ATTENTION_LAYERS else None
-        if comps and (self.n_head % comps or self.n_kv_head % comps):
-            raise ValueError(f"LMConfig: attention {self.attention!r} halves the heads; n_head {self.n_head} and "
-                             f"n_kv_head {self.n_kv_head} must be divisible by {comps}")
+            raise ValueError(f"LMConfig: RoPE needs an even head dim; width / heads = {self.head_dim}")
+        r = get_attention_class(self.attn_type).head_ratio
+        if r > 1 and (self.heads % r or self.kv_heads % r):
+            raise ValueError(f"LMConfig: attn_type {self.attn_type!r} divides the heads by {r}; heads {self.heads} "
+                             f"and kv_heads {self.kv_heads} must be divisible by {r}")
         if isinstance(self.lambda_init, str) and self.lambda_init not in ("depth", "constant"):
             raise ValueError(f"LMConfig.lambda_init {self.lambda_init!r} is unknown; expected 'depth', "
                              f"'constant' or a number")
@@ -104,22 +126,23 @@ class LMConfig:
     @property
     def head_dim(self) -> int:
         """Head dim of the standard Transformer = component dim d of the differential layer."""
-        return self.n_embd // self.n_head
+        return self.width // self.heads
 
     @property
     def mlp_hidden(self) -> int:
-        return self.intermediate_size or swiglu_hidden(self.n_embd, self.mlp_multiple_of)
+        return self.intermediate_size or swiglu_hidden(self.width, self.mlp_multiple_of)
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LMConfig":
         """A named preset (``diffmm.models.lm_configs.list_lm_configs()``), optionally overridden."""
         if name not in LM_CONFIGS:
             raise ValueError(f"unknown LM config {name!r}; expected one of {', '.join(sorted(LM_CONFIGS))}")
-        return cls.from_dict({**LM_CONFIGS[name], **overrides})
+        return cls.from_dict({**LM_CONFIGS[name], **rename_keys(overrides, source=f"LMConfig {name!r}")})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "LMConfig") -> "LMConfig":
-        """Build from a dict; unknown keys are an error naming them."""
+        """Build from a dict (old keys renamed with a warning); unknown keys are an error naming them."""
+        d = rename_keys(d, source=source)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -131,17 +154,28 @@ class LMConfig:
         return asdict(self)
 
 
+@functools.wraps(LMConfig.__init__)
+def _init_renaming_old_keys(self, *args, **kwargs):
+    _dataclass_init(self, *args, **rename_keys(kwargs))
+
+
+_dataclass_init = LMConfig.__init__
+LMConfig.__init__ = _init_renaming_old_keys
+for _old, _new in RENAMED_KEYS.items():
+    setattr(LMConfig, _old, property(lambda self, _n=_new: getattr(self, _n), doc=f"Deprecated: ``{_new}``."))
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
     def __init__(self, cfg: LMConfig, layer_idx: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = create_attention(cfg.attention, cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head,
+        self.attn_norm = RMSNorm(cfg.width, eps=cfg.norm_eps)
+        self.attn = create_attention(cfg.attn_type, cfg.width, cfg.heads, num_kv_heads=cfg.kv_heads,
                                      layer_idx=layer_idx, lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std,
                                      causal=True, use_rope=True, norm_eps=cfg.norm_eps, backend=cfg.attn_backend)
-        self.mlp_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden)
+        self.mlp_norm = RMSNorm(cfg.width, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: Optional[torch.Tensor],
                 kv_cache: Optional[KVCache]) -> torch.Tensor:
@@ -168,19 +202,19 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
 
     def write_tokenizer(self, folder: Path, tokenizer: Any) -> None:
         """``tokenizer`` (diffmm's ``ClipBPE`` / ``TokenizerFile``, or a transformers tokenizer), if given;
-        ``model_max_length`` = ``block_size`` for diffmm's."""
+        ``model_max_length`` = ``context_length`` for diffmm's."""
         if tokenizer is not None:
-            save_tokenizer_object(tokenizer, folder, model_max_length=self.config.block_size)
+            save_tokenizer_object(tokenizer, folder, model_max_length=self.config.context_length)
 
     def __init__(self, config: LMConfig):
         super().__init__()
         if not isinstance(config, LMConfig):
             raise TypeError(f"DiffLM needs an LMConfig; got {type(config).__name__}")
         self.config = cfg = config
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
-        self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.layers)])
+        self.norm = RMSNorm(cfg.width, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, theta=cfg.rope_theta)
         self.reset_parameters()
         if cfg.tie_embeddings:
@@ -197,7 +231,7 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        resid_std = std / math.sqrt(2 * self.config.layers)
         for block in self.blocks:
             for proj in (getattr(block.attn, "out_proj", None), block.mlp.down_proj):
                 if proj is not None:
@@ -206,9 +240,9 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
     # ----------------------------------------------------------------------------------- forward
     def new_kv_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
         """One preallocated (on first use) :class:`~diffmm.nn.KVCache` per layer, ``max_len`` positions."""
-        max_len = max_len or self.config.block_size
-        if max_len > self.config.block_size:
-            raise ValueError(f"KV cache of {max_len} positions exceeds block_size {self.config.block_size}")
+        max_len = max_len or self.config.context_length
+        if max_len > self.config.context_length:
+            raise ValueError(f"KV cache of {max_len} positions exceeds context_length {self.config.context_length}")
         return [KVCache(max_len) for _ in self.blocks]
 
     def forward_hidden(self, idx: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
@@ -217,8 +251,9 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
         if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
             raise ValueError(f"idx has shape {tuple(idx.shape)} and dtype {idx.dtype}; expected (B, T) integer ids")
         B, T = idx.shape
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed block_size {self.config.block_size}")
+        if start_pos + T > self.config.context_length:
+            raise ValueError(f"positions {start_pos}..{start_pos + T - 1} exceed context_length "
+                             f"{self.config.context_length}")
         if kv_caches is not None:
             if len(kv_caches) != len(self.blocks):
                 raise ValueError(f"kv_caches has {len(kv_caches)} entries; expected one per layer ({len(self.blocks)})")
@@ -281,9 +316,9 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
         B, T = idx.shape
         if max_new_tokens <= 0:
             return idx
-        if T + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds block_size "
-                             f"{self.config.block_size}")
+        if T + max_new_tokens > self.config.context_length:
+            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds context_length "
+                             f"{self.config.context_length}")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k must be positive; got {top_k}")
         if top_p is not None and not 0.0 < top_p <= 1.0:

@@ -1,8 +1,8 @@
 """Named :class:`~diffmm.models.lm.LMConfig` presets: tiny ones for tests/CPU and the DIFF paper's sizes.
 
 Every size comes as a pair, ``diff-<size>`` and ``transformer-<size>``, identical except for
-``attention``. ``n_head`` always counts the heads of the *standard* Transformer at that width; a
-differential layer gets ``n_head // 2`` heads of the same head dim (the paper keeps the width and halves the heads).
+``attn_type``. ``heads`` always counts the heads of the *standard* Transformer at that width; a
+differential layer gets ``heads // 2`` heads of the same head dim (the paper keeps the width and halves the heads).
 
 Paper sizes (DIFF Transformer, arXiv 2410.05258, App. D scaling table). The widths, depths and
 DIFF head counts below are as we recall that table; we could not fetch the paper from this
@@ -10,7 +10,7 @@ machine. They are cross-checked by arithmetic instead: with SwiGLU hidden 8/3*E,
 one 100288 x E embedding matrix (tiktoken cl100k_base, padded), ``12*E^2*L + 100288*E`` gives
 833M / 1.41B / 2.77B / 6.85B / 13.1B, matching the advertised 830M / 1.4B / 2.8B / 6.8B / 13.1B
 (``tests/models/test_lm.py`` checks ``param_report()`` of these presets against that). Appendix D
-states the Transformer baseline has twice the DIFF heads, which is how ``n_head`` is defined here.
+states the Transformer baseline has twice the DIFF heads, which is how ``heads`` is defined here.
 The "3B" entry (width 3072, 28 layers, 12 DIFF heads of dim 128, FFN 8192, context 4096) is the
 paper's 1T-token model as we recall its description; it is NOT verified (its parameter count comes
 out at 3.48B with a tied head, 3.17B without embeddings), so treat it as approximate.
@@ -22,12 +22,12 @@ from typing import Any
 
 # Tiny/CPU presets. Vocab sizes: 'tiny' fits byte-level tests, 'cpu-small' a local 4k BPE.
 _SMALL: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_embd=64, n_head=4),
-    "tiny-gqa": dict(vocab_size=256, block_size=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2),
-    "cpu-small": dict(vocab_size=4096, block_size=128, n_layer=4, n_embd=192, n_head=6),
+    "tiny": dict(vocab_size=256, context_length=64, layers=2, width=64, heads=4),
+    "tiny-gqa": dict(vocab_size=256, context_length=64, layers=2, width=64, heads=4, kv_heads=2),
+    "cpu-small": dict(vocab_size=4096, context_length=128, layers=4, width=192, heads=6),
 }
 
-# DIFF paper sizes: (width E, layers L, DIFF heads h). n_head (standard) = 2h; head dim = E / (2h).
+# DIFF paper sizes: (width E, layers L, DIFF heads h). heads (standard) = 2h; head dim = E / (2h).
 _PAPER: dict[str, tuple[int, int, int]] = {
     "830m": (1536, 24, 8),
     "1.4b": (2048, 24, 8),
@@ -40,16 +40,16 @@ _PAPER_CONTEXT = 2048
 
 LM_CONFIGS: dict[str, dict[str, Any]] = {}
 for _size, _kw in _SMALL.items():
-    LM_CONFIGS[f"diff-{_size}"] = dict(_kw, attention="diff")
-    LM_CONFIGS[f"transformer-{_size}"] = dict(_kw, attention="standard")
+    LM_CONFIGS[f"diff-{_size}"] = dict(_kw, attn_type="diff")
+    LM_CONFIGS[f"transformer-{_size}"] = dict(_kw, attn_type="standard")
 for _size, (_E, _L, _h) in _PAPER.items():
-    _kw = dict(vocab_size=_PAPER_VOCAB, block_size=_PAPER_CONTEXT, n_layer=_L, n_embd=_E, n_head=2 * _h)
-    LM_CONFIGS[f"diff-{_size}"] = dict(_kw, attention="diff")
-    LM_CONFIGS[f"transformer-{_size}"] = dict(_kw, attention="standard")
+    _kw = dict(vocab_size=_PAPER_VOCAB, context_length=_PAPER_CONTEXT, layers=_L, width=_E, heads=2 * _h)
+    LM_CONFIGS[f"diff-{_size}"] = dict(_kw, attn_type="diff")
+    LM_CONFIGS[f"transformer-{_size}"] = dict(_kw, attn_type="standard")
 # Not verified against the paper (see the module docstring).
-_3B = dict(vocab_size=_PAPER_VOCAB, block_size=4096, n_layer=28, n_embd=3072, n_head=24, intermediate_size=8192)
-LM_CONFIGS["diff-3b"] = dict(_3B, attention="diff")
-LM_CONFIGS["transformer-3b"] = dict(_3B, attention="standard")
+_3B = dict(vocab_size=_PAPER_VOCAB, context_length=4096, layers=28, width=3072, heads=24, intermediate_size=8192)
+LM_CONFIGS["diff-3b"] = dict(_3B, attn_type="diff")
+LM_CONFIGS["transformer-3b"] = dict(_3B, attn_type="standard")
 
 
 def list_lm_configs() -> list[str]:

@@ -147,7 +147,7 @@ def test_config_round_trip():
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_type 'linear'"),
     (dict(head_dim=16), "head_dim 16 \\* num_attention_heads 8 != hidden_size 64"),
-    (dict(num_key_value_heads=3), "n_head 8 is not divisible by n_kv_head 3"),
+    (dict(num_key_value_heads=3), "heads 8 is not divisible by kv_heads 3"),
 ])
 def test_bad_hf_config(change, match):
     hf = {**lm_config_to_hf(random_lm().config), **change}
@@ -238,7 +238,7 @@ def test_diffmm_export_round_trip(tmp_path, kw):
     model = random_lm(**kw)
     save_export(model, tmp_path / "exp")
     meta = json.loads((tmp_path / "exp" / "config.json").read_text())
-    assert meta["diffmm_export"]["kind"] == "lm" and meta["config"]["attention"] == kw["attention"]
+    assert meta["diffmm_export"]["kind"] == "lm" and meta["config"]["attn_type"] == kw["attention"]
     stored = load_file(str(tmp_path / "exp" / "model.safetensors"))
     assert ("lm_head.weight" in stored) != kw["tie_embeddings"]  # tied weights are written once
     loaded = diffmm.load_pretrained(tmp_path / "exp")

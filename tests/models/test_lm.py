@@ -11,26 +11,26 @@ from diffmm.nn import ATTENTION_LAYERS
 
 def make(attention="diff", n_kv_head=None, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = LMConfig(vocab_size=61, block_size=48, n_layer=3, n_embd=64, n_head=8, n_kv_head=n_kv_head,
-                   attention=attention, init_std=0.1, **kw)
+    cfg = LMConfig(vocab_size=61, context_length=48, layers=3, width=64, heads=8, kv_heads=n_kv_head,
+                   attn_type=attention, init_std=0.1, **kw)
     return DiffLM(cfg).eval()
 
 
 # --------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("kw, match", [
-    (dict(n_embd=100, n_head=8), "n_embd 100 is not divisible by n_head 8"),
-    (dict(n_head=8, n_kv_head=3), "n_head 8 is not divisible by n_kv_head 3"),
-    (dict(n_embd=24, n_head=8), "even head dim"),
-    (dict(n_embd=60, n_head=6, n_kv_head=3), "divisible by 2"),
-    (dict(n_embd=64, n_head=2, n_kv_head=1), "n_kv_head 1 must be divisible by 2"),
+    (dict(width=100, heads=8), "width 100 is not divisible by heads 8"),
+    (dict(heads=8, kv_heads=3), "heads 8 is not divisible by kv_heads 3"),
+    (dict(width=24, heads=8), "even head dim"),
+    (dict(width=60, heads=6, kv_heads=3), "divisible by 2"),
+    (dict(width=64, heads=2, kv_heads=1), "kv_heads 1 must be divisible by 2"),
     (dict(vocab_size=0), "LMConfig.vocab_size must be a positive int"),
-    (dict(n_layer=2.5), "LMConfig.n_layer must be a positive int"),
+    (dict(layers=2.5), "LMConfig.layers must be a positive int"),
     (dict(intermediate_size=-4), "intermediate_size"),
     (dict(lambda_init="deep"), "lambda_init 'deep' is unknown"),
     (dict(norm_eps=0.0), "norm_eps"),
 ])
 def test_config_rejects_impossible_shapes(kw, match):
-    base = dict(vocab_size=32, block_size=16, n_layer=1, n_embd=64, n_head=4)
+    base = dict(vocab_size=32, context_length=16, layers=1, width=64, heads=4)
     with pytest.raises(ValueError, match=match) as info:
         LMConfig(**{**base, **kw})
     assert "\n" not in str(info.value)
@@ -45,15 +45,35 @@ def test_config_names_and_dicts():
             "transformer-", "diff-")
         other = LMConfig.from_name(twin).to_dict()
         diff = {k for k, v in cfg.to_dict().items() if other[k] != v}
-        assert diff == {"attention"}, (name, diff)
-    cfg = LMConfig.from_name("diff-tiny", n_layer=3)
-    assert cfg.n_layer == 3 and LMConfig.from_dict(cfg.to_dict()) == cfg
+        assert diff == {"attn_type"}, (name, diff)
+    cfg = LMConfig.from_name("diff-tiny", layers=3)
+    assert cfg.layers == 3 and LMConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown LM config 'nope'"):
         LMConfig.from_name("nope")
     with pytest.raises(ValueError, match="unknown LMConfig field.*n_heads"):
         LMConfig.from_dict({**cfg.to_dict(), "n_heads": 4})
     with pytest.raises(ValueError, match="unknown attention type 'fancy'"):
-        DiffLM(LMConfig.from_name("diff-tiny", attention="fancy"))
+        DiffLM(LMConfig.from_name("diff-tiny", attn_type="fancy"))
+
+
+def test_old_config_keys_still_read_with_a_deprecation_notice():
+    old = dict(vocab_size=32, block_size=16, n_layer=1, n_embd=64, n_head=4, n_kv_head=2, attention="standard")
+    with pytest.warns(FutureWarning) as rec:
+        cfg = LMConfig(**old)
+    assert [str(w.message) for w in rec] == [f"LMConfig: config key {o!r} is deprecated; use {n!r}" for o, n in (
+        ("block_size", "context_length"), ("n_layer", "layers"), ("n_embd", "width"), ("n_head", "heads"),
+        ("n_kv_head", "kv_heads"), ("attention", "attn_type"))]
+    new = LMConfig(vocab_size=32, context_length=16, layers=1, width=64, heads=4, kv_heads=2, attn_type="standard")
+    assert cfg == new and "n_embd" not in cfg.to_dict()
+    with pytest.warns(FutureWarning) as rec:
+        assert LMConfig.from_dict(old, source="ckpt.json") == new
+    assert len(rec) == 6 and str(rec[-1].message) == "ckpt.json: config key 'attention' is deprecated; use 'attn_type'"
+    with pytest.warns(FutureWarning, match="'n_layer' is deprecated; use 'layers'"):
+        assert LMConfig.from_name("transformer-tiny", n_layer=3).layers == 3  # preset (new keys) + old override
+    assert (cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.n_layer, cfg.block_size, cfg.attention) == (
+        64, 4, 2, 1, 16, "standard")  # read-only aliases for code written before
+    with pytest.raises(ValueError, match="give 'width' or its old name 'n_embd', not both"):
+        LMConfig.from_dict({**new.to_dict(), "n_embd": 32})
 
 
 def test_swiglu_hidden_rounding():
@@ -84,7 +104,7 @@ def test_structure_and_tying():
     model = make("diff", n_kv_head=4)
     assert model.lm_head.weight is model.wte.weight
     attn = model.blocks[2].attn
-    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (4, 2, 8)  # n_head 8 -> 4 differential heads
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (4, 2, 8)  # heads 8 -> 4 differential heads
     assert attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.6))
     assert model.blocks[0].attn.causal and model.blocks[0].attn.use_rope
     untied = make("diff", tie_embeddings=False)
@@ -93,7 +113,7 @@ def test_structure_and_tying():
 
 def test_init_std():
     torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=512, block_size=16, n_layer=8, n_embd=128, n_head=4, init_std=0.05)
+    cfg = LMConfig(vocab_size=512, context_length=16, layers=8, width=128, heads=4, init_std=0.05)
     model = DiffLM(cfg)
     assert model.wte.weight.std().item() == pytest.approx(0.05, rel=0.05)
     assert model.blocks[0].mlp.up_proj.weight.std().item() == pytest.approx(0.05, rel=0.05)
@@ -104,7 +124,7 @@ def test_init_std():
 
 def test_errors_are_one_line():
     model = make()
-    with pytest.raises(ValueError, match="exceed block_size 48"):
+    with pytest.raises(ValueError, match="exceed context_length 48"):
         model(torch.zeros(1, 49, dtype=torch.long))
     with pytest.raises(ValueError, match="attn_mask has shape"):
         model(torch.zeros(2, 5, dtype=torch.long), attn_mask=torch.ones(2, 4, dtype=torch.bool))
@@ -112,7 +132,7 @@ def test_errors_are_one_line():
         model(torch.zeros(1, 2, dtype=torch.long), start_pos=3)
     with pytest.raises(ValueError, match="start_pos 2 != 0 positions already in the KV cache"):
         model(torch.zeros(1, 2, dtype=torch.long), kv_caches=model.new_kv_caches(8), start_pos=2)
-    with pytest.raises(ValueError, match="exceeds block_size"):
+    with pytest.raises(ValueError, match="exceeds context_length"):
         model.generate(torch.zeros(1, 40, dtype=torch.long), 9)
 
 

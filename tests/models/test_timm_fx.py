@@ -14,6 +14,7 @@ from timm.models import get_notrace_functions, get_notrace_modules
 from torchvision.models.feature_extraction import NodePathTracer, create_feature_extractor, get_graph_node_names
 
 from diffmm.models.timm_models import TIMM_MODELS
+from diffmm.ops import attention
 
 TINY = [n for n in TIMM_MODELS if n.endswith("_tiny") or "_tiny_" in n]
 MODELS = TINY + [pytest.param(n, marks=pytest.mark.slow) for n in TIMM_MODELS if n not in TINY]
@@ -109,3 +110,13 @@ def test_torch_export(model_name):
     ep = torch.export.export(model, (x,))
     with torch.no_grad():
         torch.testing.assert_close(ep.module()(x), model(x))
+
+
+def test_unwrapped_op_under_fx_is_a_one_line_error():
+    """A user module calling a diffmm op without ``torch.fx.wrap`` gets told what to do, not a type error."""
+    class Raw(torch.nn.Module):
+        def forward(self, q):
+            return attention(q, q, q)
+
+    with pytest.raises(TypeError, match="q is an FX Proxy: .*torch.fx.wrap"):
+        torch.fx.symbolic_trace(Raw())

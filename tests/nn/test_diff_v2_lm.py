@@ -1,4 +1,4 @@
-"""DIFF V2 inside the decoder LM (``diffmm.models.lm``): built through ``LMConfig.attention='diff_v2'``."""
+"""DIFF V2 inside the decoder LM (``diffmm.models.lm``): built through ``LMConfig.attn_type='diff_v2'``."""
 import pytest
 import torch
 
@@ -8,8 +8,8 @@ lm = pytest.importorskip("diffmm.models.lm")
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_lm_diff_v2_kv_cache_decoding_equals_full_forward(n_kv_head):
     torch.manual_seed(0)
-    cfg = lm.LMConfig(vocab_size=97, block_size=32, n_layer=2, n_embd=64, n_head=4, n_kv_head=n_kv_head,
-                      attention="diff_v2")
+    cfg = lm.LMConfig(vocab_size=97, context_length=32, layers=2, width=64, heads=4, kv_heads=n_kv_head,
+                      attn_type="diff_v2")
     model = lm.DiffLM(cfg).eval()
     attn = model.blocks[0].attn
     assert type(attn).__name__ == "DiffV2Attention" and attn.q_proj.out_features == 2 * 64
@@ -25,9 +25,9 @@ def test_lm_diff_v2_kv_cache_decoding_equals_full_forward(n_kv_head):
 
 def test_lm_diff_v2_trains_and_counts_params():
     torch.manual_seed(0)
-    kw = dict(vocab_size=97, block_size=32, n_layer=2, n_embd=64, n_head=4)
-    v2 = lm.DiffLM(lm.LMConfig(attention="diff_v2", **kw))
-    std = lm.DiffLM(lm.LMConfig(attention="standard", **kw))
+    kw = dict(vocab_size=97, context_length=32, layers=2, width=64, heads=4)
+    v2 = lm.DiffLM(lm.LMConfig(attn_type="diff_v2", **kw))
+    std = lm.DiffLM(lm.LMConfig(attn_type="standard", **kw))
     E, L = 64, 2
     assert v2.param_report()["attention"] - std.param_report()["attention"] == L * (E * E + E * 4)  # extra Q2 + lambda
     idx = torch.randint(0, 97, (2, 16))
