@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import pytest
+import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
+import diffmm
 from diffmm.eval.attention_capture import AttentionRecorder
 from diffmm.nn import Attention, DiffAttention, RotaryEmbedding
 
@@ -110,7 +113,6 @@ def test_timm_attention(diff):
 
 
 def test_diffclip_records_every_block():
-    diffmm = pytest.importorskip("diffmm")
     if "DiffCLIP-Tiny" not in diffmm.list_models():
         pytest.skip("no DiffCLIP-Tiny config yet")
     model = diffmm.create_model("DiffCLIP-Tiny").eval()
@@ -118,3 +120,26 @@ def test_diffclip_records_every_block():
         model.encode_image(torch.randn(1, 3, 64, 64))
     assert len(rec.records) == model.config.vision_cfg.layers
     assert all(r.kind == "diff" and r.maps().shape[-1] == 65 for r in rec.records)
+
+
+def test_swapped_layers_are_recorded_with_their_callers_masks():
+    """A swapped diffmm layer is called in another library's convention (timm ``is_causal``, Hugging Face's prepared
+    padding mask); the recorder reads the call through the layer's ``native_args``, so the maps see those masks."""
+    torch.manual_seed(0)
+    vit = timm.models.VisionTransformer(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=4, num_classes=0)
+    diffmm.swap_attention(vit, attn_type="diff")
+    with AttentionRecorder(vit) as rec, torch.no_grad():
+        vit.forward_features(torch.randn(1, 3, 16, 16), is_causal=True)
+    (r,) = rec.records
+    assert r.kind == "diff" and torch.equal(r.valid()[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+    cfg = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64)
+    bert = transformers.BertModel._from_config(cfg, attn_implementation="sdpa").eval()
+    diffmm.swap_attention(bert, attn_type="diff_v2", init="upcycle")
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    with AttentionRecorder(bert) as rec, torch.no_grad():
+        bert(input_ids=torch.randint(1, 60, (2, 6)), attention_mask=mask)
+    (r,) = rec.records
+    assert r.kind == "diff_v2" and r.maps().shape == (2, 4, 6, 6)
+    assert float(r.probs()[1, :, :, 4:].abs().max()) == 0.0  # padded keys get no attention

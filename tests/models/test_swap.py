@@ -218,6 +218,25 @@ def test_swap_errors_are_clear():
         diffmm.swap_attention(qk)
 
 
+def test_resnet_clip_swaps_its_text_tower_only():
+    torch.manual_seed(0)
+    rn = CLIP(embed_dim=32, vision_cfg=dict(image_size=32, layers=(1, 1, 1, 1), width=16, head_width=16),
+              text_cfg=OC_CFG["text_cfg"]).eval()
+    img, txt = torch.randn(2, 3, 32, 32), tokens()
+    ref = features(rn, img, txt)
+    visual, fresh = copy.deepcopy(rn.visual.state_dict()), copy.deepcopy(rn)
+    with pytest.raises(TypeError, match="visual tower ModifiedResNet has no Transformer blocks to swap"):
+        diffmm.swap_attention(rn, towers="visual")
+    diffmm.swap_attention(rn, towers="text", init="upcycle")
+    assert all(isinstance(b.attn, UpcycledDiffAttention) for b in rn.transformer.resblocks)
+    assert all(torch.equal(v, rn.visual.state_dict()[k]) for k, v in visual.items())  # the image tower untouched
+    for a, b in zip(features(rn, img, txt), ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    diffmm.swap_attention(fresh, attn_type="diff_v2")  # default towers: those with blocks, the text tower
+    assert all(isinstance(b.attn, DiffV2Attention) for b in fresh.transformer.resblocks)
+    assert [r["tower"] for r in fresh.diffmm_swaps] == ["text"]
+
+
 def test_timm_attn_layer_standard_matches_timm_attention():
     from diffmm.hub.clip_convert import timm_vit_to_diffmm
 
