@@ -7,7 +7,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from diffmm.nn.attention_layer import AttentionLayer, StdAttnWeights, check_heads
+from diffmm.nn.attention_layer import AttentionLayer, StdAttnWeights
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.rope import apply_rope
 from diffmm.ops import attention
@@ -34,14 +34,8 @@ class Attention(AttentionLayer, attn_type="standard"):
                  proj_bias: bool = False, causal: bool = False, use_rope: bool = False, norm_eps: float = 1e-5,
                  backend: Optional[str] = None, **unused):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
-        if head_dim is None:
-            if num_heads <= 0 or dim % num_heads:
-                raise ValueError(f"Attention: width {dim} is not divisible by num_heads {num_heads}")
-            head_dim = dim // num_heads
-        check_heads(dim, num_heads, num_kv_heads, head_dim, 1, use_rope, "Attention")
-        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
+        self._init_heads(dim, num_heads, num_kv_heads, head_dim, layer_idx, causal, use_rope, backend)
+        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)

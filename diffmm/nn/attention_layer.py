@@ -1,27 +1,9 @@
-"""The contract every diffmm attention layer implements, and the registry of attention types.
+"""The contract every diffmm attention layer implements (:class:`AttentionLayer`) and the registry of attention types.
 
-A new attention variant is one class in one file::
-
-    class MyAttention(AttentionLayer, attn_type="mine"):      # registered: create_attention("mine", ...)
-        head_ratio = 1                                         # standard heads per head of this layer
-        def __init__(self, dim, num_heads, *, num_kv_heads=None, head_dim=None, layer_idx=0, lambda_init=None,
-                     qkv_bias=False, proj_bias=False, causal=False, use_rope=False, backend=None, **unused): ...
-        def forward(self, x, *, attn_mask=None, rope=None, kv_cache=None, causal=None): ...   # (B, N, E)
-        def load_standard(self, w, *, generator=None): ...    # optional: function-preserving upcycling
-        def capture(self, x, rope=None): ...                  # optional: its attention maps (default: standard)
-
-What the rest of the library reads from it:
-
-- ``create_attention`` / configs (``attn_type``): :attr:`AttentionLayer.head_ratio` and :meth:`AttentionLayer.build`.
-- the call-convention adapters (``diffmm.models.attn_adapters``: ``nn.MultiheadAttention``, open_clip, timm,
-  Hugging Face BERT): the native call ``forward(x, *, attn_mask, rope, kv_cache, causal)``.
-- ``swap_attention(init='upcycle')``: :attr:`AttentionLayer.upcycle_to` and :meth:`AttentionLayer.load_standard`.
-- ``diffmm.eval.AttentionRecorder``: :meth:`AttentionLayer.native_args`, :meth:`AttentionLayer.capture` and
-  :attr:`AttentionLayer.capture_kind`.
-- ``attention_param_report``: the parameters of a layer built by :meth:`build`, and :attr:`query_maps`.
-
-Every instance sets ``dim``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``layer_idx``, ``causal``,
-``use_rope`` and ``backend``, and has ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj`` Linears.
+A new attention variant is one class, ``class X(AttentionLayer, attn_type="x")``: configs and ``create_attention``
+build it by name, the call-convention adapters (open_clip, timm, Hugging Face BERT, ``nn.MultiheadAttention``) wrap
+its native ``forward``, and ``swap_attention(init='upcycle')``, the attention recorder and the parameter report read
+what they need from the class (docs/attention.md has the table and a full example).
 """
 from __future__ import annotations
 
@@ -77,19 +59,6 @@ def pair_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 1, d, *w.shape[1:]).expand(heads, 2, d, *w.shape[1:]).reshape(2 * heads * d, *w.shape[1:])
 
 
-def check_heads(dim: int, num_heads: int, num_kv_heads: int, head_dim: int, components: int, use_rope: bool,
-                who: str) -> None:
-    """One-line errors for impossible head layouts."""
-    if num_heads <= 0 or num_kv_heads <= 0:
-        raise ValueError(f"{who}: num_heads={num_heads} and num_kv_heads={num_kv_heads} must be positive")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{who}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-    if components * num_heads * head_dim != dim:
-        raise ValueError(f"{who}: width {dim} != {components} * num_heads {num_heads} * head_dim {head_dim}")
-    if use_rope and head_dim % 2:
-        raise ValueError(f"{who}: RoPE needs an even head_dim; got {head_dim}")
-
-
 class QKMaps(NamedTuple):
     """What :meth:`AttentionLayer.capture` returns: the inputs of every softmax of one call (RoPE applied)."""
 
@@ -128,6 +97,29 @@ class AttentionLayer(nn.Module):
             UPCYCLE_TYPES[attn_type] = cls.upcycle_to
         elif cls.load_standard is not AttentionLayer.load_standard:
             UPCYCLE_TYPES[attn_type] = attn_type
+
+    def _init_heads(self, dim: int, num_heads: int, num_kv_heads: Optional[int], head_dim: Optional[int],
+                    layer_idx: int, causal: bool, use_rope: bool, backend: Optional[str]) -> None:
+        """Check the head layout (width = head_ratio * num_heads * head_dim; one-line errors) and set ``dim``,
+        ``num_heads``, ``num_kv_heads`` (default num_heads), ``head_dim`` (default from the width), ``layer_idx``,
+        ``causal``, ``use_rope``, ``backend``."""
+        who, r = type(self).__name__, self.head_ratio
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if num_heads <= 0 or dim % (r * num_heads):
+                by = f"{r} * num_heads = {r * num_heads}" if r > 1 else f"num_heads {num_heads}"
+                raise ValueError(f"{who}: width {dim} is not divisible by {by}")
+            head_dim = dim // (r * num_heads)
+        if num_heads <= 0 or num_kv_heads <= 0:
+            raise ValueError(f"{who}: num_heads={num_heads} and num_kv_heads={num_kv_heads} must be positive")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{who}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
+        if r * num_heads * head_dim != dim:
+            raise ValueError(f"{who}: width {dim} != {r} * num_heads {num_heads} * head_dim {head_dim}")
+        if use_rope and head_dim % 2:
+            raise ValueError(f"{who}: RoPE needs an even head_dim; got {head_dim}")
+        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
 
     @classmethod
     def build(cls, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None, **kwargs) -> "AttentionLayer":

@@ -7,7 +7,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from diffmm.nn.attention_layer import AttentionLayer, QKMaps, check_heads
+from diffmm.nn.attention_layer import AttentionLayer, QKMaps
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import lambda_full, resolve_lambda_init
 from diffmm.nn.norm import RMSNorm
@@ -49,14 +49,7 @@ class DiffAttention(AttentionLayer, attn_type="diff"):
                  qkv_bias: bool = False, proj_bias: bool = False, causal: bool = False, use_rope: bool = False,
                  norm_eps: float = 1e-5, lambda_std: float = 0.1, backend: Optional[str] = None):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
-        if head_dim is None:
-            if num_heads <= 0 or dim % (2 * num_heads):
-                raise ValueError(f"DiffAttention: width {dim} is not divisible by 2 * num_heads = {2 * num_heads}")
-            head_dim = dim // (2 * num_heads)
-        check_heads(dim, num_heads, num_kv_heads, head_dim, 2, use_rope, "DiffAttention")
-        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
+        self._init_heads(dim, num_heads, num_kv_heads, head_dim, layer_idx, causal, use_rope, backend)
         self.lambda_init_spec = lambda_init
         self.lambda_init = resolve_lambda_init(lambda_init, layer_idx)
         self.lambda_std = lambda_std

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from diffmm.nn.attention_layer import AttentionLayer, QKMaps, StdAttnWeights, check_heads, pair_rows
+from diffmm.nn.attention_layer import AttentionLayer, QKMaps, StdAttnWeights, pair_rows
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.rope import apply_rope
 from diffmm.ops.diff_v2 import check_v2_heads, diff_v2_attention
@@ -49,16 +49,9 @@ class DiffV2Attention(AttentionLayer, attn_type="diff_v2"):
                  proj_bias: bool = False, causal: bool = False, use_rope: bool = False, norm_eps: float = 1e-5,
                  lambda_std: Optional[float] = None, backend: Optional[str] = None, **unused):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
-        if head_dim is None:
-            if num_heads <= 0 or dim % num_heads:
-                raise ValueError(f"DiffV2Attention: width {dim} is not divisible by num_heads {num_heads}")
-            head_dim = dim // num_heads
-        check_v2_heads(2 * num_heads, num_kv_heads, "DiffV2Attention")
-        check_heads(dim, num_heads, num_kv_heads, head_dim, 1, use_rope, "DiffV2Attention")
-        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
-        h, hk, d = num_heads, num_kv_heads, head_dim
+        check_v2_heads(2 * num_heads, num_kv_heads or num_heads, type(self).__name__)
+        self._init_heads(dim, num_heads, num_kv_heads, head_dim, layer_idx, causal, use_rope, backend)
+        h, hk, d = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(dim, 2 * h * d, bias=qkv_bias)  # 2h query maps; maps 2i, 2i+1 belong to head i
         self.k_proj = nn.Linear(dim, hk * d, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, hk * d, bias=qkv_bias)

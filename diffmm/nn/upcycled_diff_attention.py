@@ -31,10 +31,9 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from diffmm.nn.attention_layer import StdAttnWeights, check_heads, pair_rows
+from diffmm.nn.attention_layer import StdAttnWeights, pair_rows
 from diffmm.nn.diff_attention import DiffAttention
 from diffmm.nn.kv_cache import KVCache
-from diffmm.nn.lambdas import resolve_lambda_init
 from diffmm.ops import diff_attention
 
 
@@ -66,31 +65,15 @@ class UpcycledDiffAttention(DiffAttention, attn_type="diff_upcycled"):
             norm_eps / lambda_std / backend: as in :class:`diffmm.nn.DiffAttention`.
     """
 
-    head_ratio = 1
+    head_ratio = 1  # E = h * d: the pretrained layer's heads, each with two maps (q/k/v 2E wide)
     upcycle_to = None  # it is its own upcycled type (load_standard)
 
-    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, layer_idx: int = 0, lambda_init: str | float = "constant",
-                 qkv_bias: bool = False, proj_bias: bool = False, causal: bool = False, use_rope: bool = False,
-                 norm_eps: float = 1e-5, lambda_std: float = 0.1, backend: Optional[str] = None, **unused):
-        nn.Module.__init__(self)  # DiffAttention.__init__ enforces E = 2hd; here E = hd
-        num_kv_heads = num_kv_heads or num_heads
-        if head_dim is None:
-            if num_heads <= 0 or dim % num_heads:
-                raise ValueError(f"UpcycledDiffAttention: width {dim} is not divisible by num_heads {num_heads}")
-            head_dim = dim // num_heads
-        check_heads(dim, num_heads, num_kv_heads, head_dim, 1, use_rope, "UpcycledDiffAttention")
-        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.causal, self.use_rope, self.backend = layer_idx, causal, use_rope, backend
-        self.lambda_init_spec = lambda_init
-        self.lambda_init = resolve_lambda_init(lambda_init, layer_idx)
+    def __init__(self, dim: int, num_heads: int, *, lambda_init: str | float = "constant", **kwargs):
+        super().__init__(dim, num_heads, lambda_init=lambda_init, **kwargs)  # DiffAttention's, at E = hd
         if not self.lambda_init < 1.0:
             raise ValueError(f"UpcycledDiffAttention: lambda_init {self.lambda_init} must be < 1 "
                              f"(the raw branch is scaled by 1 / (1 - lambda_init))")
-        self.lambda_std = lambda_std
-        self._make_params(qkv_bias, proj_bias, norm_eps)  # DiffAttention's, at E = hd
         self.norm_gate = nn.Parameter(torch.zeros(num_heads))  # beta: 0 = raw (pretrained) head, 1 = the paper's head
-        self.reset_lambda()
 
     def forward(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
