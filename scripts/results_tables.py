@@ -30,9 +30,9 @@ import shutil
 import sys
 from typing import Callable
 
-from diffmm.demo.report import comparison_table
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the demo application (diffmm_demo/) lives beside the package and is not installed
+from diffmm_demo.report import comparison_table  # noqa: E402
 
 DEMO_DIR = os.path.join("results", "demo")
 SCRATCH_DIR = os.path.join("results", "demo_scratch")  # the from-scratch CLIP and LM run the LiT demo replaced

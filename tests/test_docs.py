@@ -88,7 +88,7 @@ def _toy_demo_data(root: str) -> None:
     import numpy as np
     from PIL import Image
 
-    from diffmm.demo.datasets import build_python_docs
+    from diffmm_demo.datasets import build_python_docs
     from diffmm.data.writer import ShardWriter
 
     rng = np.random.default_rng(0)
