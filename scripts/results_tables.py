@@ -30,9 +30,9 @@ import shutil
 import sys
 from typing import Callable
 
-from diffmm.demo.report import comparison_table
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the demo application (diffmm_demo/) lives beside the package and is not installed
+from diffmm_demo.report import comparison_table  # noqa: E402
 
 DEMO_DIR = os.path.join("results", "demo")
 SCRATCH_DIR = os.path.join("results", "demo_scratch")  # the from-scratch CLIP and LM run the LiT demo replaced
@@ -65,8 +65,9 @@ def demo_run(root: str) -> str:
     preset = _recorded_preset(root) or cfg.get("preset", "custom")
     steps = r.get("steps", [])
     failed = [s["name"] for s in steps if s["status"] == "failed"]
+    command = r["command"].replace("diffmm demo", "python -m diffmm_demo run", 1)  # its name inside the package
     rows = [
-        ("command", f"`{r['command']}`"),
+        ("command", f"`{command}`" + (" (recorded as diffmm demo)" if command != r["command"] else "")),
         ("preset", {"full": "full (`make demo`)", "quick": "**quick** (`make demo-quick`: a smoke test, not the "
                     "documented comparison)"}.get(preset, "custom")),
         ("seeds", ", ".join(map(str, cfg["seeds"]))),
@@ -156,7 +157,7 @@ def import_demo(run_dir: str, root: str = REPO) -> list[str]:
     """Copy a demo run's results.json, report.md and shown plots into results/demo/; returns the written files."""
     src_json = os.path.join(run_dir, "results.json")
     if not os.path.isfile(src_json):
-        raise SystemExit(f"{src_json}: not found; run `diffmm demo --out {run_dir}` first")
+        raise SystemExit(f"{src_json}: not found; run `python -m diffmm_demo run --out {run_dir}` first")
     dest = os.path.join(root, DEMO_DIR)
     os.makedirs(dest, exist_ok=True)
     written = []

@@ -33,8 +33,15 @@ def test_parse_maps_a_command_line_to_its_function():
     assert kwargs["seq_len"] == [16, 32] and kwargs["attention"] is False and kwargs["pairs"] == (4, 8, 16, 32)
     names, fn, kwargs = parse(["shards", "from-text", "out", "a.txt", "b/"])  # positionals in signature order
     assert names == ["shards", "from-text"] and (kwargs["out"], kwargs["files"]) == ("out", ["a.txt", "b/"])
-    names, fn, kwargs = parse(["demo", "--quick", "true", "--parts", "[clip]"])
-    assert (kwargs["quick"], kwargs["parts"], kwargs["out"]) == (True, ["clip"], "report")
+
+
+def test_the_library_cli_holds_no_application():
+    """The demo is an application beside the package (``python -m diffmm_demo``): ``diffmm`` keeps the generic shard
+    writers and no demo command, and the package imports nothing of the demo."""
+    assert "demo" not in COMMANDS
+    assert sorted(n for n in COMMANDS["shards"] if n != "_help") == ["check", "from-captions", "from-folders",
+                                                                       "from-text", "index"]
+    assert all(not fn.__module__.startswith("diffmm_demo") for _, fn in _functions(COMMANDS))
 
 
 def test_usage_and_errors(tmp_path, capsys):
@@ -42,8 +49,7 @@ def test_usage_and_errors(tmp_path, capsys):
     assert main(["eval", "--help"]) == 0 and "zeroshot" in capsys.readouterr().out
     for argv, want in ((["nope"], "diffmm: error: argument subcommand: invalid choice: 'nope'"),
                        (["eval", "needle", "--lm", "x", "--trials", "ten"], "diffmm eval needle: error: --trials:"),
-                       (["demo", "--parts", "[vision]"], "diffmm demo: error: --parts:"),
-                       (["demo", "--seeds", "[0,0]", "--out", str(tmp_path)], "seeds [0, 0] (distinct, at least one)")):
+                       (["shards", "demo-emoji"], "diffmm shards: error: ")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and want in err[0], (argv, err)

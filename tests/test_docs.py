@@ -4,7 +4,8 @@
 - Every ``diffmm ...`` command in them parses: fenced shell lines are parsed by ``diffmm.cli.parse`` (the
   jsonargparse parser built from the commands' signatures; the Lightning subcommands with ``--print_config``, which
   parses the config and every option without building anything); inline ``diffmm ...`` spans, often fragments, may
-  omit required arguments but every option they name must exist and take the value they give.
+  omit required arguments but every option they name must exist and take the value they give. The demo
+  application's ``python -m diffmm_demo ...`` commands are parsed the same way, with its own command table.
 - Every ``python scripts/X.py ...`` command names an existing script and only options that script defines.
 - The generated tables in docs/results.md equal ``scripts/results_tables.py``'s output.
 - No tracked file outside tests/ names a path of the machine it was made on.
@@ -88,7 +89,7 @@ def _toy_demo_data(root: str) -> None:
     import numpy as np
     from PIL import Image
 
-    from diffmm.demo.datasets import build_python_docs
+    from diffmm_demo.datasets import build_python_docs
     from diffmm.data.writer import ShardWriter
 
     rng = np.random.default_rng(0)
@@ -161,6 +162,7 @@ class Command:
     argv: list
     inline: bool
     skip: str = ""
+    app: str = "diffmm"  # or "diffmm_demo": `python -m diffmm_demo ...`
 
 
 def _strip_comment(line: str) -> tuple[str, str]:
@@ -177,8 +179,9 @@ def _strip_comment(line: str) -> tuple[str, str]:
 LAUNCHERS = ("srun", "torchrun", "mpirun", "env", "nice", "time", "sudo", "python", "python3")
 
 
-def _diffmm_argv(words: list[str]) -> list[str] | None:
-    """The arguments after ``diffmm`` / ``python -m diffmm.cli`` in a command line, else None.
+def _diffmm_argv(words: list[str]) -> tuple[str, list[str]] | None:
+    """``(app, arguments)`` of a command line: the arguments after ``diffmm`` / ``python -m diffmm.cli`` (app
+    ``diffmm``) or after ``python -m diffmm_demo`` (app ``diffmm_demo``), else None.
 
     The line must start with the command (after ``VAR=value`` words) or with a launcher (``srun``, ``torchrun``,
     ``python -m ...``); a ``diffmm`` later in other text (a diagram, a sentence) is not a command.
@@ -189,9 +192,9 @@ def _diffmm_argv(words: list[str]) -> list[str] | None:
         return None
     for i, w in enumerate(words):
         if os.path.basename(w) == "diffmm" and i + 1 < len(words) and re.fullmatch(r"[a-z][\w-]*", words[i + 1]):
-            return words[i + 1:]
-        if w == "-m" and i + 1 < len(words) and words[i + 1] == "diffmm.cli":
-            return words[i + 2:]
+            return "diffmm", words[i + 1:]
+        if w == "-m" and i + 1 < len(words) and words[i + 1] in ("diffmm.cli", "diffmm_demo"):
+            return words[i + 1].removesuffix(".cli"), words[i + 2:]
     return None
 
 
@@ -217,40 +220,47 @@ def _commands() -> list[Command]:
                     words = shlex.split(_optional_groups(cmd))
                 except ValueError:
                     continue
-                argv = _diffmm_argv(words)
-                if argv is None:
+                found = _diffmm_argv(words)
+                if found is None:
                     continue
                 skip = "skip" in b.tags and (b.reason or "marked skip")
                 m = re.search(r"docs-test:\s*skip\s*\((.*)\)", comment)
-                out.append(Command(f"{doc}:{b.line + 1 + k}", argv, False, m.group(1) if m else skip or ""))
+                out.append(Command(f"{doc}:{b.line + 1 + k}", found[1], False, m.group(1) if m else skip or "",
+                                   found[0]))
         with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
             text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), f.read())
-        for m in re.finditer(r"`((?:\.venv/bin/)?diffmm [a-z][^`]*)`", text):
+        for m in re.finditer(r"`((?:\.venv/bin/)?(?:diffmm|python -m diffmm_demo) [a-z][^`]*)`", text):
             line = text.count("\n", 0, m.start()) + 1
             try:
                 words = shlex.split(_optional_groups(m.group(1)))
             except ValueError:
                 continue
-            argv = _diffmm_argv(words)
-            if argv is None or re.search(r":(\s|$)", m.group(1)):  # a quoted message (`diffmm eval x: error: ...`)
+            found = _diffmm_argv(words)
+            if found is None or re.search(r":(\s|$)", m.group(1)):  # a quoted message (`diffmm eval x: error: ...`)
                 continue
-            out.append(Command(f"{doc}:{line}", argv, True))
+            out.append(Command(f"{doc}:{line}", found[1], True, app=found[0]))
     return out
 
 
 COMMANDS = _commands()
 
 
-def _parse(argv: list[str]) -> tuple[int, str]:
-    """Parse ``diffmm argv`` without running it: (exit status, captured output)."""
+def _parse(argv: list[str], app: str = "diffmm") -> tuple[int, str]:
+    """Parse ``diffmm argv`` (or ``python -m diffmm_demo argv``) without running it: (exit status, captured
+    output)."""
     from jsonargparse import ArgumentError
 
     from diffmm.cli import LIGHTNING_SUBCOMMANDS, main, parse
+    from diffmm_demo.__main__ import COMMANDS as DEMO_COMMANDS
+    from diffmm_demo.__main__ import PROG as DEMO_PROG
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         try:
-            if argv[0] in LIGHTNING_SUBCOMMANDS:
+            if app == "diffmm_demo":
+                parse(argv, DEMO_COMMANDS, DEMO_PROG)
+                rc = 0
+            elif argv[0] in LIGHTNING_SUBCOMMANDS:
                 rc = main([*argv, "--print_config"])
             else:
                 parse(argv)
@@ -268,21 +278,22 @@ def _cmd_param(c: Command):
     placeholders = [w for w in c.argv if PLACEHOLDER.match(w)]
     if placeholders:
         marks = [pytest.mark.skip(reason=f"{c.where}: placeholder {placeholders[0]!r}")]
-    return pytest.param(c, id=f"{c.where} diffmm {' '.join(c.argv)[:60]}", marks=marks)
+    return pytest.param(c, id=f"{c.where} {c.app} {' '.join(c.argv)[:60]}", marks=marks)
 
 
 def test_docs_name_diffmm_commands():
     assert len([c for c in COMMANDS if not c.inline]) >= 10, "the command collector found too few commands"
+    assert [c for c in COMMANDS if c.app == "diffmm_demo" and not c.inline], "no python -m diffmm_demo command found"
 
 
 @pytest.mark.parametrize("cmd", [_cmd_param(c) for c in COMMANDS])
 def test_diffmm_command_parses(cmd: Command, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # configs/... paths are relative to the repository
     monkeypatch.setattr(sys, "argv", ["diffmm", *cmd.argv])  # LightningCLI compares its args with sys.argv
-    rc, out = _parse(cmd.argv)
+    rc, out = _parse(cmd.argv, cmd.app)
     if rc != 0 and cmd.inline and ("the following arguments are required" in out or "it was not provided" in out):
         rc = 0  # an inline fragment: named options are checked, omitted required ones are not
-    assert rc == 0, f"{cmd.where}: `diffmm {' '.join(cmd.argv)}` does not parse:\n{out[-2000:]}"
+    assert rc == 0, f"{cmd.where}: `{cmd.app} {' '.join(cmd.argv)}` does not parse:\n{out[-2000:]}"
 
 
 # ------------------------------------------------------------------------------------- script commands

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -38,3 +39,17 @@ def test_ruff_passes_on_the_repository():
     """The same check `make test` runs first (a failure here names the file and line)."""
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", ROOT], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_the_wheel_ships_the_library_and_not_the_demo_application():
+    """``diffmm_demo/`` is an application beside the package (run from the repository, as timm's ``train.py``):
+    package discovery leaves it out, and the library never imports it."""
+    from setuptools import find_packages
+
+    found = find_packages(ROOT, include=_pyproject()["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert {"diffmm", "diffmm.eval", "diffmm.data"} <= set(found), found
+    assert not [p for p in found if not (p == "diffmm" or p.startswith("diffmm."))], found
+    importers = [os.path.relpath(os.path.join(d, n), ROOT) for d, _, names in os.walk(os.path.dirname(diffmm.__file__))
+                 for n in names if n.endswith(".py")
+                 and re.search(r"^\s*(from|import) diffmm_demo\b", open(os.path.join(d, n)).read(), re.M)]
+    assert not importers, f"the library imports the demo application: {importers}"

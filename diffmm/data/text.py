@@ -56,7 +56,7 @@ class TextDataset(ShardStream):
             :func:`~diffmm.data.tokenizers.load_lm_tokenizer` (``"clip"`` or a tokenizer.json path).
         text_field: document field (file extension).
         samples_per_epoch: rows per epoch over all ranks; default from ``tokens.json`` (written by
-            ``diffmm shards from-text/demo-text --tokenizer``) as ``tokens // (seq_len + 1)``.
+            ``diffmm shards from-text --tokenizer``) as ``tokens // (seq_len + 1)``.
         **kwargs: :class:`ShardStream` options (``equalize`` defaults to ``train``).
     """
 

@@ -22,7 +22,6 @@ from PIL import Image
 
 from diffmm.data.files import write_json_atomic
 from diffmm.data.stream import ShardLoader
-from diffmm.data.system_data import PYTHON_DOCS
 from diffmm.data.text import TextDataset
 from diffmm.eval.classify import classify_images
 from diffmm.eval.classnames import get_classnames, get_templates, parse_labels
@@ -33,7 +32,7 @@ from diffmm.eval.image_sources import IdxSource, expand_image_inputs, open_image
 from diffmm.eval.linear_probe import extract_features, linear_probe_markdown
 from diffmm.eval.linear_probe import linear_probe as fit_linear_probe
 from diffmm.eval.loading import lm_tokenizer, load_clip, load_lm
-from diffmm.eval.needle import NeedleConfig, load_haystack, multi_needle
+from diffmm.eval.needle import PYTHON_DOCS, NeedleConfig, load_haystack, multi_needle
 from diffmm.eval.outliers import activation_outliers, outliers_markdown
 from diffmm.eval.perplexity import perplexity_markdown, perplexity_on_shards
 from diffmm.eval.plots import cls_attention, plot_attention_maps, plot_loss_curves, plot_needle_attention

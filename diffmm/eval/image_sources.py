@@ -184,7 +184,7 @@ class ShardLabelSource:
                                              train=False, shuffle=False, equalize=False, name="eval")
         except (FileNotFoundError, ValueError) as e:
             raise EvalError(f"shards {urls}: {e}") from None
-        self.loader = ShardLoader(self.dataset, num_workers=num_workers)
+        self.loader, self.batch_size = ShardLoader(self.dataset, num_workers=num_workers), batch_size
         self.skipped: Counter = Counter()
         self.classnames: Optional[list[str]] = None
         self.name = str(urls)

@@ -33,6 +33,8 @@ CITIES = ("Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Dublin", "Cairo", "Quit
           "Seoul", "Athens", "Denver", "Kampala", "Bergen", "Porto", "Osaka", "Madrid", "Minsk")
 NEEDLE = "The magic number of {key} is {value}."
 QUESTION = "What is the magic number of {key}? The magic number of {key} is"
+#: the default haystack: the reST sources of the Python 3.11 documentation (Debian ``python3.11-doc``)
+PYTHON_DOCS = "/usr/share/doc/python3.11/html/_sources"
 
 
 @dataclass

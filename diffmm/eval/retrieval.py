@@ -129,6 +129,8 @@ def retrieval_on_shards(model, tokenizer, urls, transform: Callable, *, caption_
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(f"shards {urls}: {e}") from None
     total = ds.samples_per_epoch if ds.shard_counts() is not None else None
+    if total and kwargs.get("max_batches") is not None:  # the bar ends where max_batches stops
+        total = min(total, kwargs["max_batches"] * batch_size)
     out = evaluate_retrieval(model, tokenizer, ShardLoader(ds, num_workers=num_workers), total=total, **kwargs)
     out["skipped"] = {k[len("skip_"):]: v for k, v in ds.stats.snapshot().items() if k.startswith("skip_") and v}
     return out

@@ -164,7 +164,10 @@ def evaluate_zero_shot(model, classifier: torch.Tensor, source: Iterable, *, cla
     confusion = torch.zeros(C * C, dtype=torch.long)
     ks = sorted(set(topk))
     correct = dict.fromkeys(ks, 0)
-    bar = tqdm(total=getattr(source, "num_samples", None), desc="zero-shot", disable=not show_progress, unit="img")
+    total, per_batch = getattr(source, "num_samples", None), getattr(source, "batch_size", None)
+    if total and max_batches is not None and per_batch:  # the bar ends where max_batches stops
+        total = min(total, max_batches * per_batch)
+    bar = tqdm(total=total, desc="zero-shot", disable=not show_progress, unit="img")
     t0 = time.perf_counter()
     for images, labels in itertools.islice(source, max_batches):
         labels = labels.to(device)

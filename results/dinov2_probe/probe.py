@@ -10,7 +10,7 @@ Image features: DINOv2's CLS token after the final norm ("cls") or CLS concatena
 ("cls+mean"), images resized 64 -> 224 px (bicubic), ImageNet mean/std. Upcycling DINOv2 to differential
 attention leaves these features unchanged at step 0 (tests/hub/test_dinov2_onnx.py), so the numbers hold for it.
 
-Run (from the repo root, data built by `diffmm shards demo-all`):
+Run (from the repo root, data built by `python -m diffmm_demo data all` and `... data icons`):
     PYTHONPATH=$PWD nice -n 10 python results/dinov2_probe/probe.py --data data --out results/dinov2_probe
 """
 import argparse

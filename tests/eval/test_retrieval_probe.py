@@ -85,3 +85,30 @@ def test_extract_features_streams(tmp_path):
     X, y = extract_features(TableCLIP(torch.randn(256, 5), torch.randn(2, 5)), Src(), show_progress=False)
     assert X.shape == (6, 5) and y.tolist() == [0, 1, 2, 0, 1, 2]
     np.testing.assert_allclose(np.linalg.norm(X, axis=1), 1.0, rtol=1e-6)
+
+
+def test_the_retrieval_progress_bar_ends_where_max_batches_stops(tmp_path, monkeypatch):
+    import diffmm.eval.retrieval as retrieval
+    from diffmm.data import index_shards
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total=None, **kwargs):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(retrieval, "tqdm", Bar)
+    write_caption_shard(str(tmp_path / "a.tar"), [[i] for i in range(20)])
+    index_shards([str(tmp_path / "a.tar")])  # sizes.json: the bar knows the shards' 20 images
+    img = F.normalize(torch.randn(20, 4, generator=torch.Generator().manual_seed(0)), dim=-1)
+    for max_batches, total in ((None, 20), (2, 16)):
+        res = retrieval_on_shards(TableCLIP(img, img), cap_tokenizer, str(tmp_path / "a.tar"), to_tensor_rgb,
+                                  batch_size=8, num_workers=0, max_batches=max_batches)
+        assert (bars[-1].total, bars[-1].n, res["images"]) == (total, total, total)

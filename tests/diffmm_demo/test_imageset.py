@@ -7,8 +7,9 @@ import json
 import pytest
 from PIL import Image
 
-from diffmm.demo.imageset import STAMPS, build_icons, build_stamps, class_name
 from diffmm.eval.image_sources import ImageFolderSource
+
+from diffmm_demo.imageset import STAMPS, build_icons, build_stamps, class_name
 
 BOX = '<path fill="#{}" d="M2 2h12v12H2z"/>'
 

@@ -11,7 +11,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from diffmm.data.stats import DataStats
 from diffmm.data.tar_reader import iter_tar_samples
-from diffmm.demo.datasets import STYLES
+
+from diffmm_demo.datasets import STYLES
 
 
 def _first_samples(pattern: str, n: int, keys: list[str] | None = None) -> list[dict]:
@@ -67,7 +68,7 @@ def draw_demo_montage(data: str = "data", out: str = "docs/img/demo_montage.png"
         rows.append(("fashion-mnist", cells))
     if not rows:
         raise FileNotFoundError(f"{data}: no emoji or fashion-mnist shards to draw "
-                                "(build them with diffmm shards demo-all)")
+                                "(build them with python -m diffmm_demo data all)")
     label_w, text_h = 110, 40
     sheet = Image.new("RGB", (label_w + n_cols * cell, len(rows) * (cell + text_h)), "white")
     draw = ImageDraw.Draw(sheet)

@@ -21,8 +21,8 @@ from typing import Optional
 from PIL import Image
 from tqdm import tqdm
 
-from diffmm.data.system_data import NPM_DIR, TUXPAINT_STAMPS, require_debian_file, require_npm_package
-from diffmm.demo.datasets import on_white
+from diffmm_demo.datasets import on_white
+from diffmm_demo.system_data import NPM_DIR, TUXPAINT_STAMPS, require_debian_file, require_npm_package
 
 ICON_SET = "streamline-ultimate-color"
 #: the stamp set's folder under the data folder

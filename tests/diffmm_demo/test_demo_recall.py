@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from diffmm.demo import run_demo
+from diffmm_demo import run_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,12 +12,13 @@ from PIL import Image
 
 from diffmm.data.image_text import image_label_loader
 from diffmm.data.stats import DataStats
-from diffmm.data.system_data import NOTO_EMOJI_FONT, require_debian_file, require_npm_package
 from diffmm.data.tar_reader import iter_tar_samples
 from diffmm.data.text import TextDataset
-from diffmm.demo import datasets
-from diffmm.demo.datasets import build_fashion_mnist, build_python_docs
 from diffmm.eval.classnames import FASHION_MNIST_CLASSNAMES
+
+from diffmm_demo import datasets
+from diffmm_demo.datasets import build_fashion_mnist, build_python_docs
+from diffmm_demo.system_data import NOTO_EMOJI_FONT, require_debian_file, require_npm_package
 
 EMOJI_TEST = """# group: Smileys & Emotion
 # subgroup: face-smiling

@@ -13,9 +13,10 @@ import shutil
 import pytest
 
 import diffmm
-from diffmm.demo import run_demo
-from diffmm.demo.parts import mean_over_seeds, metric
-from diffmm.demo.report import aggregate, comparison_table, fmt, mean_std
+
+from diffmm_demo import run_demo
+from diffmm_demo.parts import mean_over_seeds, metric
+from diffmm_demo.report import aggregate, comparison_table, fmt, mean_std
 
 
 def test_demo_end_to_end_writes_report(demo_data, configs, tmp_path):
@@ -34,7 +35,7 @@ def test_demo_end_to_end_writes_report(demo_data, configs, tmp_path):
         res = json.load(f)
     assert res["status"] == "ok" and {s["status"] for s in res["steps"]} == {"ok"}
     assert len(res["steps"]) == 2 * (1 + 2 * 2 * 5 + 2) - 2 * 2 + 1  # data, runs (CLIP: 4 evals, LM: 3), plots, lambda
-    assert res["config"]["preset"] == "custom" and res["command"].startswith("diffmm demo --out ")
+    assert res["config"]["preset"] == "custom" and res["command"].startswith("python -m diffmm_demo run --out ")
     for key in ("clip", "lm"):
         p = res["parts"][key]
         base, diff = p["models"]
@@ -68,7 +69,7 @@ def test_demo_end_to_end_writes_report(demo_data, configs, tmp_path):
 
 
 def test_failed_step_is_reported_and_sets_exit_status(demo_data, configs, tmp_path, monkeypatch):
-    import diffmm.demo.parts as parts
+    import diffmm_demo.parts as parts
 
     def broken(*args, **kwargs):
         raise RuntimeError("needle exploded")
@@ -92,8 +93,8 @@ def test_failed_step_is_reported_and_sets_exit_status(demo_data, configs, tmp_pa
 
 
 def test_missing_data_fails_with_the_install_line(tmp_path, monkeypatch):
-    import diffmm.demo.run as run
-    from diffmm.data.system_data import require_debian_file
+    import diffmm_demo.run as run
+    from diffmm_demo.system_data import require_debian_file
 
     def missing(*args, **kwargs):
         require_debian_file(str(tmp_path / "NotoColorEmoji.ttf"), "fonts-noto-color-emoji")
@@ -110,7 +111,7 @@ def test_missing_data_fails_with_the_install_line(tmp_path, monkeypatch):
 
 
 def test_ensure_data_builds_only_what_is_missing(demo_data, tmp_path, monkeypatch):
-    import diffmm.demo.run as run
+    import diffmm_demo.run as run
 
     calls = []
     monkeypatch.setattr(run, "build_emoji", lambda out, styles: calls.append(("emoji", tuple(styles))))
@@ -145,6 +146,16 @@ def test_aggregation_wins_and_tables():
     assert rows[0] == "| metric | base | diff | diff − base (paired) | diff better on | chance |"
     assert rows[2] == "| accuracy % (↑) | 20.00 ± 10.00 | 26.67 ± 12.58 | +6.67 ± 2.89 | 3/3 seeds | 25.00 |"
     assert mean_over_seeds([{"a": [1, 2], "n": "x"}, {"a": [3, 4], "n": "y"}]) == {"a": [2.0, 3.0], "n": "x"}
+
+
+def test_threads_fall_back_to_one_on_a_busy_machine_and_say_so(monkeypatch, capsys):
+    import diffmm_demo.run as run
+
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (2.5, 2.0, 1.0))
+    assert run.torch_threads(0, 2) == 1
+    assert "load average (2.5) already reaches the 2 cores" in capsys.readouterr().err
+    assert run.torch_threads(2, 2) == 2 and run.torch_threads(0, 4) == 4  # chosen, or a quiet machine: all cores
+    assert capsys.readouterr().err == ""
 
 
 def test_bad_arguments_are_one_error():

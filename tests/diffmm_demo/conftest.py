@@ -19,9 +19,10 @@ import yaml
 from PIL import Image
 
 from diffmm.data.writer import ShardWriter
-from diffmm.demo.datasets import STYLES, build_fashion_mnist, build_python_docs
-from diffmm.demo.evals import ICONS
-from diffmm.demo.imageset import STAMPS
+
+from diffmm_demo.datasets import STYLES, build_fashion_mnist, build_python_docs
+from diffmm_demo.evals import ICONS
+from diffmm_demo.imageset import STAMPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUPS = ["Smileys & Emotion", "Animals & Nature", "Flags"]
@@ -80,7 +81,7 @@ def demo_data(tmp_path_factory) -> str:
                 os.path.join(icons, name.replace(" ", "_"), f"i{i}.png"))
     with open(os.path.join(icons, "classes.json"), "w") as f:
         json.dump({"classes": classes, "templates": ["an emoji of {}.", "an icon of {}."]}, f)
-    stamps = os.path.join(data, STAMPS)  # the second non-emoji set, as `diffmm shards demo-stamps` writes it
+    stamps = os.path.join(data, STAMPS)  # the second non-emoji set, as `python -m diffmm_demo data stamps` writes it
     for c, name in enumerate(["animals", "food"]):
         os.makedirs(os.path.join(stamps, name))
         for i in range(3 + c):

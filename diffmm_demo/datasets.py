@@ -36,13 +36,15 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
 from diffmm.data.shard_tools import iter_text_files, read_texts, write_shards_from_text
-from diffmm.data.system_data import (CLDR, EMOJI_TEST, FASHION_MNIST, NOTO_EMOJI_FONT, NPM_DIR, PYTHON_DOCS,
-                                     require_debian_file, require_npm_package)
 from diffmm.data.text import count_tokens
 from diffmm.data.tokenizers import train_byte_level_bpe
 from diffmm.data.writer import ShardWriter
 from diffmm.eval.classnames import FASHION_MNIST_CLASSNAMES
 from diffmm.eval.idx import IdxArray, find_idx_pair
+from diffmm.eval.needle import PYTHON_DOCS
+
+from diffmm_demo.system_data import (CLDR, EMOJI_TEST, FASHION_MNIST, NOTO_EMOJI_FONT, NPM_DIR, require_debian_file,
+                                     require_npm_package)
 
 STYLES = ("noto", "google", "twitter", "openmoji")
 SKIN_TONES = {0x1F3FB, 0x1F3FC, 0x1F3FD, 0x1F3FE, 0x1F3FF}

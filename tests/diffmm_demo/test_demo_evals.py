@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import diffmm
-import diffmm.demo.evals as demo_evals
-from diffmm.demo.evals import EMOJI_TEMPLATE, _zero_shot, held_out_zero_shot, stamps_zero_shot
 from diffmm.eval.zeroshot import encode_images
-from diffmm.demo.imageset import STAMPS
+
+import diffmm_demo.evals as demo_evals
+from diffmm_demo.evals import EMOJI_TEMPLATE, _zero_shot, held_out_zero_shot, stamps_zero_shot
+from diffmm_demo.imageset import STAMPS
 
 TINY = dict(embed_dim=16, vision_cfg=dict(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
             text_cfg=dict(context_length=16, width=32, heads=2, layers=1))

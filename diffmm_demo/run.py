@@ -1,5 +1,5 @@
-"""``diffmm demo``: for each part, seed and model, ``diffmm fit`` with the model's config file and the part's
-overrides, then the part's evaluations on the checkpoint loaded with ``load_pretrained``; then the plots and the
+"""``python -m diffmm_demo run``: for each part, seed and model, ``diffmm fit`` with the model's config file and the
+part's overrides, then the part's evaluations on the checkpoint loaded with ``load_pretrained``; then the plots and the
 report. Every piece is a step: a failure is recorded (traceback in ``OUT/demo.log``), the steps that need its
 result are skipped, the rest still runs, and the report is rewritten after every step.
 """
@@ -24,23 +24,23 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from diffmm import __version__
-from diffmm.demo.datasets import STYLES, build_emoji, build_fashion_mnist, build_python_docs
-from diffmm.demo.evals import ICONS
-from diffmm.demo.imageset import STAMPS, build_icons, build_stamps
-from diffmm.demo.parts import Part, build_parts
-from diffmm.demo.report import write_report
+from diffmm import __version__, load_pretrained
 from diffmm.eval.plots import plot_loss_curves, read_metrics_csv
-from diffmm.hub.factory import load_pretrained
 from diffmm.train.cli import run_cli
 from diffmm.train.clip_module import clear_image_caches
 from diffmm.train.monitor import lambda_layers, lambda_values
+
+from diffmm_demo.datasets import STYLES, build_emoji, build_fashion_mnist, build_python_docs
+from diffmm_demo.evals import ICONS
+from diffmm_demo.imageset import STAMPS, build_icons, build_stamps
+from diffmm_demo.parts import Part, build_parts
+from diffmm_demo.report import write_report
 
 PARTS = ("lit", "dinov2", "clip", "lm", "recall")
 #: what runs unless ``parts`` says otherwise: the LiT comparisons (the from-scratch ones are in docs/results.md)
 DEFAULT_PARTS = ("lit", "dinov2")
 #: the repository's ``configs/``: the demo trains with the config files a user runs
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 STEPS = {"lit": 220, "dinov2": 100, "clip": 200, "lm": 200, "recall": 150}
 QUICK_STEPS = {"lit": 60, "dinov2": 40, "clip": 60, "lm": 60, "recall": 80}
 DATASETS = {"emoji": [f"emoji/{s}" for s in STYLES], "fashion-mnist": ["fashion-mnist/test"],
@@ -66,6 +66,17 @@ def ensure_data(data: str, needs: tuple[str, ...]) -> list[str]:
             builders[need](data, *([[f.split("/")[1] for f in missing]] if need == "emoji" else []))
         built += missing
     return built
+
+
+def torch_threads(threads: int, cores: int) -> int:
+    """The torch CPU threads of a run: ``threads``, or with 0 every core, or 1 when the load average already
+    reaches the core count (spinning threads then cost more than they give), which is said on the console."""
+    load = os.getloadavg()[0]
+    if threads or load < cores or cores == 1:
+        return threads or cores
+    print(f"diffmm demo: the load average ({load:.1f}) already reaches the {cores} cores, so training uses 1 torch "
+          f"thread (--threads {cores} uses every core)", file=sys.stderr, flush=True)
+    return 1
 
 
 class Demo:
@@ -105,9 +116,10 @@ class Demo:
         self.save()
         return result
 
-    def train(self, part: Part, label: str, config: str, seed: int, res: dict):
+    def train(self, part: Part, label: str, config: str, seed: int, res: dict, first: bool = False):
         """``diffmm fit`` of one model and seed; its checkpoint goes to ``OUT/checkpoints/<model>-seed<k>.ckpt`` and is
-        loaded back; ``res["train"]`` gets the loss, throughput and lambdas of the CSV log."""
+        loaded back; ``res["train"]`` gets the loss, throughput and lambdas of the CSV log (``first``: the part's
+        first run, see :attr:`Part.fills_cache`)."""
         slug = f"{label.replace(' ', '-')}-seed{seed}"
         run_dir, ckpt = os.path.join(self.out, "runs", slug), os.path.join(self.out, "checkpoints", slug + ".ckpt")
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -145,6 +157,8 @@ class Demo:
             "lambdas": {k[7:]: v for k, v in lambda_values(layers).items() if k.startswith("lambda/")},
             "lambda_first_logged": {k[7:]: float(v[0]) for k, v in cols.items() if k.startswith("lambda/") and len(v)},
             "lambda_init": {name: float(getattr(m, "lambda_init", np.nan)) for name, m in layers.items()}}
+        if part.fills_cache:
+            res["train"]["throughput_warm_cache"] = None if first else res["train"]["throughput"]
         if not np.isfinite(res["train"]["final_train_loss"]):
             raise FloatingPointError(f"{label} seed {seed}: the training loss is not finite")
         return model
@@ -159,8 +173,9 @@ class Demo:
                 if label in part.first_seed_only and seed != seeds[0]:
                     continue
                 run = res["runs"][label].setdefault(seed, {})
+                first = seed == seeds[0] and label == part.models[0][0]
                 model = self.step(f"train {label} seed {seed} ({part.steps} steps)",
-                                  functools.partial(self.train, part, label, config, seed, run), needs=(ready,))
+                                  functools.partial(self.train, part, label, config, seed, run, first), needs=(ready,))
                 for name, fn in part.evals.items():
                     self.step(f"eval {name} {label} seed {seed}", functools.partial(fn, model, seed), (model,),
                               (run, name))
@@ -237,7 +252,8 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
         recall_steps: training steps per recall run (default 150; quick: 80).
         holdout: the emoji art style held out of CLIP training for zero-shot and retrieval (``twitter``,
             ``openmoji``; ``google`` is Noto's art).
-        threads: torch CPU threads; 0 = all cores, or 1 when the load average already reaches the core count.
+        threads: torch CPU threads; 0 = all cores, or 1 (said on the console) when the load average already
+            reaches the core count.
         workers: DataLoader workers of each training run.
         configs: the folder of the config files the models train with (default: the repository's ``configs/``).
 
@@ -245,8 +261,8 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
         0 when every step succeeded, 1 when some failed (the report is written either way).
     """
     given = {k: v for k, v in locals().items() if v != inspect.signature(run_demo).parameters[k].default}
-    command = " ".join(["diffmm demo"] + [f"--{k} " + (shlex.quote(v) if isinstance(v, str) else str(v).lower().replace(
-        " ", "").replace("'", "")) for k, v in given.items()])
+    command = " ".join(["python -m diffmm_demo run"] + [f"--{k} " + (shlex.quote(v) if isinstance(v, str) else str(
+        v).lower().replace(" ", "").replace("'", "")) for k, v in given.items()])
     parts, defaults = list(parts or DEFAULT_PARTS), (QUICK_STEPS if quick else STEPS)
     seeds = list(seeds if seeds is not None else ([0] if quick else [0, 1, 2]))
     if set(parts) - set(PARTS) or not seeds or len(set(seeds)) != len(seeds) or holdout not in STYLES:
@@ -257,7 +273,7 @@ def run_demo(out: str = "report", quick: bool = False, seeds: Optional[list[int]
     custom = (steps != defaults or seeds != ([0] if quick else [0, 1, 2]) or holdout != "twitter"
               or parts != list(DEFAULT_PARTS))
     cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads or (1 if os.getloadavg()[0] >= cores else cores))  # busy: spinning threads cost
+    torch.set_num_threads(torch_threads(threads, cores))
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "demo.log"), "w").close()
     todo = build_parts(parts, data, steps, workers, holdout, quick, configs or CONFIGS)
