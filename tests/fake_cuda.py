@@ -7,10 +7,12 @@ CUDA context (pytorch/pytorch#92627). ``ops_called()`` records the names of the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from typing import Iterator
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -46,11 +48,30 @@ def to_fake_cuda(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
 
 @contextlib.contextmanager
 def one_gpu(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
-    """``torch.cuda`` answers as one GPU of ``capability`` (for backend dispatch and autocast)."""
+    """``torch.cuda`` answers as one GPU of ``capability`` (for backend dispatch and autocast; not for
+    torch.compile, which then reaches for the driver: see :func:`trusting_triton`)."""
     with mock.patch("torch.cuda.is_available", return_value=True), \
             mock.patch("torch.cuda.get_device_capability", return_value=capability), \
             mock.patch("torch.cuda.is_bf16_supported", return_value=capability >= (8, 0)):
         yield
+
+
+@contextlib.contextmanager
+def trusting_triton() -> Iterator[None]:
+    """The ``triton`` backend takes every CUDA call, through diffmm's registry alone: for torch.compile, whose
+    tracing reaches for the driver when ``torch.cuda`` is patched (:func:`one_gpu`). Use it with models whose every
+    call the real dispatch gives to the fused kernel (the eager tests check which)."""
+    ops = pytest.importorskip("diffmm.ops")
+    backend = ops.get_backend("triton")
+
+    def unsupported(call):
+        return None if call.q.device.type == "cuda" else backend.unsupported(call)
+
+    ops.register_backend(dataclasses.replace(backend, unsupported=unsupported), replace=True)
+    try:
+        yield
+    finally:
+        ops.register_backend(backend, replace=True)
 
 
 def backward(loss: torch.Tensor) -> None:
