@@ -57,10 +57,11 @@ from diffmm.train.optim import WarmupCosineLR, adamw
 
 
 class TimedBatches:
-    """Cached batches, iterated ``steps`` times; records when each batch is requested (wall and CPU clocks)."""
+    """Cached batches, iterated ``steps`` times; records when each batch is requested (wall and CPU clocks).
+    ``compile``: the plain loop and open_clip's step run their model compiled (``--compile``)."""
 
-    def __init__(self, batches: list, steps: int) -> None:
-        self.batches, self.steps, self.times, self.cpu = batches, steps, [], []
+    def __init__(self, batches: list, steps: int, compile: bool = False) -> None:
+        self.batches, self.steps, self.times, self.cpu, self.compile = batches, steps, [], [], compile
 
     def __len__(self) -> int:
         return self.steps
@@ -135,6 +136,8 @@ def run_lightning(module: pl.LightningModule, data: TimedBatches, steps: int) ->
 
 def run_plain(model: torch.nn.Module, data: TimedBatches, steps: int, loss_fn: Callable, lr: float, wd: float,
               clamp: bool) -> None:
+    if data.compile:
+        model.compile(fullgraph=True, dynamic=False)
     opt = adamw(model, lr, wd, (0.9, 0.98), 1e-8)
     sched = WarmupCosineLR(opt, 3, steps, lr, lr / 50)
     model.train()
@@ -154,6 +157,8 @@ def run_plain(model: torch.nn.Module, data: TimedBatches, steps: int, loss_fn: C
 
 def run_open_clip(model: torch.nn.Module, data: TimedBatches, steps: int, lr: float, wd: float) -> str:
     """open_clip_train's ``train_one_epoch`` when installed, else the plain loop with ``ClipLoss``; which one ran."""
+    if data.compile:
+        model.compile(fullgraph=True, dynamic=False)
     try:
         from open_clip_train.scheduler import cosine_lr
         from open_clip_train.train import train_one_epoch
@@ -217,7 +222,7 @@ def measure(label: str, unit: str, contenders: dict, batches: list, args, items:
     notes = {}
     for r in range(args.repeats):
         for name, fn in contenders.items():
-            data = TimedBatches(batches, steps)
+            data = TimedBatches(batches, steps, args.compile)
             torch.manual_seed(0)  # every contender's model from the same initialisation
             notes[name] = fn(data, steps)
             for clock in ("wall", "cpu"):
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="compute threads (1: CPU time = work done)")
     p.add_argument("--null-steps", type=int, default=200, help="steps of the framework-cost run")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--compile", action="store_true", help="plain loop and open_clip: model.compile(fullgraph=True)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")

@@ -107,7 +107,8 @@ class MaskSpec:
             (B, heads, N, S). Rows that would see no key are opened to all keys (so no backend
             produces NaN) and listed in ``empty_rows``.
         is_causal: True when the only masking is a square causal mask (backends may use a fast flag).
-        empty_rows: None or bool (B or 1, 1, N, 1): query rows with no visible key; their output is 0.
+        empty_rows: None (no mask) or bool (B or 1, 1 or heads, N, 1): query rows with no visible key (possibly
+            none); their output is 0.
     """
 
     mask: torch.Tensor | None
@@ -179,20 +180,15 @@ def prepare_mask(attn_mask: torch.Tensor | None, causal: bool, B: int, heads: in
     mask = attn_mask.to(device)
     while mask.dim() < 4:
         mask = mask[None]
-    masked = mask <= mask_floor(dtype, mask.dtype)
-    if bool(masked.any()):
-        mask = mask.masked_fill(masked, float("-inf"))
+    # No data-dependent branch below (``bool(t.any())``): torch.compile traces it in one graph and FakeTensorMode
+    # runs it; filling nothing costs one pass over the mask.
+    mask = mask.masked_fill(mask <= mask_floor(dtype, mask.dtype), float("-inf"))
     if causal:
         mask = mask.masked_fill(~causal_keep(N, S, device)[None, None], float("-inf"))
     empty = torch.isneginf(mask).all(dim=-1, keepdim=True)
-    if bool(empty.any()):
-        mask = mask.masked_fill(empty, 0.0)
-        return MaskSpec(mask, False, empty)
-    return MaskSpec(mask, False, None)
+    return MaskSpec(mask.masked_fill(empty, 0.0), False, empty)
 
 
 def _open_empty_bool(keep: torch.Tensor) -> MaskSpec:
     empty = ~keep.any(dim=-1, keepdim=True)
-    if bool(empty.any()):
-        return MaskSpec(keep | empty, False, empty)
-    return MaskSpec(keep, False, None)
+    return MaskSpec(keep | empty, False, empty)

@@ -24,12 +24,14 @@ CPU (see :mod:`diffmm.ops.sdpa`).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from diffmm.ops._validate import MaskSpec
 from diffmm.ops.epilogue import compute_dtype
+
+Tensor = torch.Tensor
 
 #: Target number of score elements (both maps, all heads of a batch) per chunk: 2^22 fp32 = 16 MiB (measured
 #: best or within noise of it from N = 512 to 4k; smaller chunks pay per-chunk overhead).
@@ -226,53 +228,123 @@ def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dty
     return dq.view(B, N, 2 * h, d), dk.view(B, S, 2 * h_kv, d), dv_out, dlam.neg_()
 
 
-class _CombinedDiffAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lam, w, mask, is_causal, norm, eps, empty_rows, grad_wanted):
-        # q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); lam 0-d; w (2d,): the norm weight with
-        # (1 - lambda_init) folded in (None without the norm); empty_rows: bool (B|1, 1, N, 1) or None
+def _row_major(shape) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def _standalone(t: Tensor, *inputs: Optional[Tensor]) -> Tensor:
+    """``t`` as a custom op may return it: its own memory (no input's) in row-major strides (what the fake
+    implementations promise); a copy only in the rare cases where ``_dense`` handed back a view."""
+    if t.stride() == _row_major(t.shape) and not any(
+            x is not None and t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops, as in diffmm.ops.triton_diff: opaque nodes with fake implementations, so that torch.compile traces
+# through the layer (fullgraph) and FakeTensorMode runs it; an autograd.Function ties forward and backward.
+
+
+@torch.library.custom_op("diffmm::combined_diff_fwd", mutates_args=())
+def combined_diff_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, w: Optional[Tensor], mask: Optional[Tensor],
+                      empty_rows: Optional[Tensor], is_causal: bool, norm: bool, eps: float, grad_wanted: bool
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward. Returns y (B, N, h, 2d) in q's dtype, then for the backward (compute dtype): the copies q12, k12, vt;
+    the norm's input a (B, h, N, 2d) and rstd (B, h, N, 1); the kept maps and their combination (empty when not
+    used). ``w``: the norm weight with (1 - lambda_init) folded in (None without the norm); ``mask``: additive."""
+    with torch.autocast(q.device.type, enabled=False):  # the op sets its own precision
         B, N, H2, d = q.shape
         S, h_kv = k.shape[1], k.shape[2] // 2
         h = H2 // 2
         ct = compute_dtype(q.dtype)
         geo = _Geometry(B, h_kv, h // h_kv, N, S, d, mask, is_causal, grad_wanted)
-        lam_dtype, lam = lam.dtype, lam.to(ct)
-        a, copies, maps, combined = _chunked_forward(q, k, v, lam, geo, ct)  # a (B, h, N, 2d)
+        a, (q12, k12, vt), maps, combined = _chunked_forward(q, k, v, lam.to(ct), geo, ct)  # a (B, h, N, 2d)
         if empty_rows is not None:
             a.masked_fill_(empty_rows, 0.0)
         y = torch.empty(B, N, h, 2 * d, dtype=q.dtype, device=q.device)  # the layer's layout (a transposed)
-        rstd = w_ct = None
+        rstd = None
         if norm:
-            w_ct = w.to(ct)
-            rstd = _norm_forward(a, w_ct, eps, y)
+            rstd = _norm_forward(a, w.to(ct), eps, y)
         else:
             y.copy_(a.transpose(1, 2))
             a = None
-        ctx.save_for_backward(*copies, lam, w_ct, a, rstd, maps, combined)
-        ctx.geo, ctx.norm, ctx.empty_rows = geo, norm, empty_rows
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, lam_dtype, None if w is None else w.dtype)
-        return y
+        outs = (y, q12, k12, vt, a, rstd, maps, combined)
+        return tuple(q12.new_empty(0) if t is None else _standalone(t, q, k, v) for t in outs)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        q12, k12, vt, lam, w, a, rstd, maps, combined = ctx.saved_tensors
-        ct = lam.dtype
-        q_dt, k_dt, v_dt, lam_dt, w_dt = ctx.dtypes
+
+@combined_diff_fwd.register_fake
+def _(q, k, v, lam, w, mask, empty_rows, is_causal, norm, eps, grad_wanted):
+    B, N, H2, d = q.shape
+    S, h_kv = k.shape[1], k.shape[2] // 2
+    h = H2 // 2
+    g, ct = h // h_kv, compute_dtype(q.dtype)
+    keep = _Geometry(B, h_kv, g, N, S, d, mask, is_causal, grad_wanted).keep_maps
+
+    def new(*shape, on=True):
+        return q.new_empty(*shape, dtype=ct) if on else q.new_empty(0, dtype=ct)
+
+    return (q.new_empty(B, N, h, 2 * d), new(2, B, h_kv, g, N, d), new(2, B, h_kv, S, d), new(B, h_kv, S, 2 * d),
+            new(B, h, N, 2 * d, on=norm), new(B, h, N, 1, on=norm), new(2, B * h_kv, g * N, S, on=keep),
+            new(B * h_kv, g * N, S, on=keep))
+
+
+@torch.library.custom_op("diffmm::combined_diff_bwd", mutates_args=())
+def combined_diff_bwd(dy: Tensor, q12: Tensor, k12: Tensor, vt: Tensor, lam: Tensor, w: Optional[Tensor], a: Tensor,
+                      rstd: Tensor, maps: Tensor, combined: Tensor, mask: Optional[Tensor],
+                      empty_rows: Optional[Tensor], is_causal: bool, norm: bool
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward. Returns dq, dk, dv (dy's dtype), dlam (lam's dtype) and dw (w's dtype; empty without the norm)."""
+    with torch.autocast(dy.device.type, enabled=False):
+        _, B, h_kv, g, N, d = q12.shape
+        ct = q12.dtype
+        geo = _Geometry(B, h_kv, g, N, k12.shape[3], d, mask, is_causal, maps.numel() > 0)
         dyt = dy.transpose(1, 2)  # (B, h, N, 2d): a view in the layout of a
         if dyt.dtype != ct:
             dyt = dyt.to(ct)
         dw = None
-        if ctx.norm:
-            da, dw = _norm_backward(dyt, a, rstd, w, ctx.needs_input_grad[4])
-            if dw is not None:
-                dw = dw.to(w_dt)
+        if norm:
+            da, dw = _norm_backward(dyt, a, rstd, w.to(ct), True)
+            dw = dw.to(w.dtype)
         else:
             da = dyt.contiguous()
-        if ctx.empty_rows is not None:
-            da = da.masked_fill(ctx.empty_rows, 0.0)  # not in place: da may be dy itself
-        dq, dk, dv, dlam = _chunked_backward(da, q12, k12, vt, lam, maps, combined, ctx.geo, (q_dt, k_dt, v_dt))
-        return dq, dk, dv, dlam.to(lam_dt), dw, None, None, None, None, None, None
+        if empty_rows is not None:
+            da = da.masked_fill(empty_rows, 0.0)  # not in place: da may be dy itself
+        kept = (maps, combined) if geo.keep_maps else (None, None)
+        dq, dk, dv, dlam = _chunked_backward(da, q12, k12, vt, lam.to(ct), *kept, geo, (dy.dtype,) * 3)
+        outs = (dq, dk, dv, dlam.to(lam.dtype), dw)
+        return tuple(dy.new_empty(0) if t is None else _standalone(t, dy, q12, k12, vt) for t in outs)
+
+
+@combined_diff_bwd.register_fake
+def _(dy, q12, k12, vt, lam, w, a, rstd, maps, combined, mask, empty_rows, is_causal, norm):
+    _, B, h_kv, g, N, d = q12.shape
+    S = k12.shape[3]
+    return (dy.new_empty(B, N, 2 * h_kv * g, d), dy.new_empty(B, S, 2 * h_kv, d), dy.new_empty(B, S, h_kv, 2 * d),
+            lam.new_empty(()), w.new_empty(2 * d) if norm else dy.new_empty(0))
+
+
+class _CombinedDiffAttention(torch.autograd.Function):
+    """``apply(q, k, v, lam, w, mask, is_causal, norm, eps, empty_rows, grad_wanted) -> y`` (B, N, h, 2d)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, w, mask, is_causal, norm, eps, empty_rows, grad_wanted):
+        y, *saved = torch.ops.diffmm.combined_diff_fwd(q, k, v, lam, w, mask, empty_rows, is_causal, norm, eps,
+                                                       grad_wanted)
+        ctx.save_for_backward(*saved, lam, w, mask, empty_rows)
+        ctx.is_causal, ctx.norm = is_causal, norm
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q12, k12, vt, a, rstd, maps, combined, lam, w, mask, empty_rows = ctx.saved_tensors
+        dq, dk, dv, dlam, dw = torch.ops.diffmm.combined_diff_bwd(dy, q12, k12, vt, lam, w, a, rstd, maps, combined,
+                                                                  mask, empty_rows, ctx.is_causal, ctx.norm)
+        return dq, dk, dv, dlam, (dw if w is not None else None), None, None, None, None, None, None
 
 
 def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, s_vis: int) -> None:
@@ -331,12 +403,4 @@ def combined_diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     elif mask is not None and mask.dtype == torch.bool:
         mask = _additive(mask, ct)
     grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam, w))
-    return _apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)
-
-
-@torch.compiler.disable
-def _apply(q, *args):
-    """The autograd node runs eagerly under ``torch.compile`` (its in-place buffer reuse is not traceable; the
-    projections, norms and MLPs around it still compile), and outside autocast (it sets its own precision)."""
-    with torch.autocast(q.device.type, enabled=False):
-        return _CombinedDiffAttention.apply(q, *args)
+    return _CombinedDiffAttention.apply(q, k, v, lam, w, mask, is_causal, norm, eps, spec.empty_rows, grad_wanted)

@@ -53,7 +53,6 @@ def _layout(layout: str | None, device: torch.device, N: int) -> str:
     return layout
 
 
-@torch.compiler.disable  # runs eagerly under torch.compile (the combined layout's node is not traceable)
 def diff_attention_sdpa(q, k, v, lam, *, causal=False, attn_mask=None, norm_weight=None,
                         lambda_init=None, eps=1e-5, layout=None) -> torch.Tensor:
     """Differential attention through SDPA. Shapes as in :func:`diffmm.ops.diff_attention`."""

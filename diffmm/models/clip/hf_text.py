@@ -179,8 +179,13 @@ class HFTextTower(nn.Module):
         return self.proj(self.forward_features(text))
 
     def _cut_padding(self, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and keep-mask (B, L') without the padding columns at the end (nothing the pooler sees changes)."""
+        """Token ids and keep-mask (B, L') without the padding columns at the end (nothing the pooler sees changes).
+
+        On the CPU only: the cut reads the lengths back to the host, which on CUDA is a sync every call, and its
+        data-dependent shape stops torch.compile graphs and FakeTensorMode."""
         mask = text != self.pad_token_id  # (B, L)
+        if text.device.type != "cpu" or torch.compiler.is_compiling():
+            return text, mask
         keep = int(mask.sum(1).max().clamp(min=1))
         return text[:, :keep], mask[:, :keep]
 
