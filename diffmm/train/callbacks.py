@@ -169,8 +169,6 @@ class Checkpoint(ModelCheckpoint):
     * No checkpoint is written while the weights or the optimizer state hold NaN or Inf, and none is deleted to
       make room meanwhile (the rule of :class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`, which the CLI
       installs); no checkpoint at all after the run diverged (:class:`NonFiniteGuard`).
-    * A checkpoint saved after a run stopped mid-epoch records the epoch as unfinished, so extending the
-      run (a larger ``max_steps``) continues the same epoch and data position (:meth:`on_save_checkpoint`).
     * At the start of ``fit``, temporary files a killed save left in the folder are removed.
     """
 
@@ -183,29 +181,7 @@ class Checkpoint(ModelCheckpoint):
             remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """Make a checkpoint saved after a run stopped mid-epoch (``max_steps``, early stopping) say so.
-
-        Lightning counts the epoch as finished when the run stops; the data position says how many
-        batches of it were consumed. Resuming such a checkpoint with a larger ``max_steps`` would start
-        the next epoch in the trainer while the data continues this one. Here the saved epoch progress
-        is set back to "this epoch started, not finished", so the resumed run continues the same epoch
-        at the next batch, exactly where an uninterrupted run would be.
-        """
         self.saved_at_step = trainer.global_step
-        loop = trainer.fit_loop
-        batches = trainer.num_training_batches
-        done = loop.epoch_loop.batch_progress.current.ready
-        ep = loop.epoch_progress.current
-        if not (ep.ready == ep.started == ep.processed and 0 < done and math.isfinite(batches) and done < batches
-                and not loop.epoch_loop.batch_progress.is_last_batch):
-            return
-        fit = (checkpoint.get("loops") or {}).get("fit_loop")
-        if not fit or "epoch_progress" not in fit:
-            return
-        for part in ("total", "current"):
-            p = fit["epoch_progress"][part]
-            p["processed"] = p["completed"] = p["started"] - 1
-        checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, TrainingDiverged):

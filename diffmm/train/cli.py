@@ -41,9 +41,9 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, StepProgressBar
 from diffmm.train.checkpoint_io import AtomicCheckpointIO, checkpoint_damage, resume_checkpoint
-from diffmm.train.clip_module import resuming_from
 from diffmm.train.datamodules import check_shard_spec
 from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
+from diffmm.train.resume import TrainingProgress
 
 log = logging.getLogger("diffmm.train")
 
@@ -105,10 +105,21 @@ class DiffmmCLI(LightningCLI):
                 config["ckpt_path"] = newest
 
     def instantiate_classes(self) -> None:
-        # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not needed
-        ckpt = self._subcommand_config(self.config).get("ckpt_path")
-        with resuming_from(os.fspath(ckpt) if ckpt and os.path.isfile(os.fspath(ckpt)) else None):
-            super().instantiate_classes()
+        # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not read
+        # (the model's hyperparameters keep its path, so checkpoints still say where the run started from)
+        config = self._subcommand_config(self.config)
+        ckpt, init = config.get("ckpt_path"), getattr(config.get("model"), "init_args", None)
+        pretrained = init.get("pretrained") if ckpt and hasattr(init, "get") else None
+        gone = isinstance(pretrained, str) and not os.path.exists(os.path.expanduser(pretrained))
+        if gone:
+            log.warning("model.pretrained %s is not there; it is not read: the run resumes from %s, which holds "
+                        "every weight", pretrained, ckpt)
+            init["pretrained"] = None
+        super().instantiate_classes()
+        if gone:
+            init["pretrained"] = pretrained
+            if "pretrained" in getattr(self.model, "hparams", {}):
+                self.model.hparams["pretrained"] = pretrained
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         config = self._subcommand_config(self.config_init)
@@ -129,6 +140,7 @@ class DiffmmCLI(LightningCLI):
         if trainer.get("enable_progress_bar", True) is not False and not any(isinstance(cb, ProgressBar)
                                                                              for cb in callbacks):
             callbacks.append(StepProgressBar())  # real step counts on resumed / extended runs
+        callbacks.append(TrainingProgress())  # where training stands, in every checkpoint: exact resume
         trainer["callbacks"] = callbacks
         if not trainer.get("plugins"):
             trainer["plugins"] = [AtomicCheckpointIO()]
