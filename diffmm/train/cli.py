@@ -34,15 +34,18 @@ from typing import Any
 import pytorch_lightning as pl
 from jsonargparse import ArgumentError
 from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.callbacks import DeviceStatsMonitor, LearningRateMonitor, ProgressBar
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, StepProgressBar
-from diffmm.train.checkpoint_io import AtomicCheckpointIO, checkpoint_damage, resume_checkpoint
+from diffmm.train.checkpoint_io import (TRUST_FLAG, UNSAFE, AtomicCheckpointIO, RunLock, checkpoint_damage,
+                                        resume_checkpoint)
 from diffmm.train.datamodules import check_shard_spec
-from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
+from diffmm.train.errors import DIVERGED_EXIT_CODE, CheckpointSaveError, ConfigError, TrainingDiverged
 from diffmm.train.resume import TrainingProgress
 
 log = logging.getLogger("diffmm.train")
@@ -62,7 +65,16 @@ def is_global_zero_env() -> bool:
 
 
 class DiffmmCLI(LightningCLI):
-    """LightningCLI with diffmm's always-on callbacks, loggers, atomic checkpoints and resume rules."""
+    """LightningCLI with diffmm's always-on callbacks, loggers, atomic checkpoints and resume rules; a ``fit`` owns
+    its folders (:class:`~diffmm.train.checkpoint_io.RunLock`) while it runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._lock: RunLock | None = None
+        try:
+            super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
@@ -80,7 +92,10 @@ class DiffmmCLI(LightningCLI):
         # damaged one the user named is one line naming it (no fallback: it is what the user asked for)
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        damage = checkpoint_damage(os.fspath(path)) if path and path != "last" and os.path.isfile(path) else None
+        trust = bool(sub) and self.config[sub].get("weights_only") is False
+        damage = checkpoint_damage(os.fspath(path), trust) if path and path != "last" and os.path.isfile(path) else None
+        if damage is not None and damage.startswith(UNSAFE):
+            raise ConfigError(f"ckpt_path: {path} is {damage}; if you trust the file, pass {TRUST_FLAG}")
         if damage is not None:
             raise ConfigError(f"ckpt_path: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path "
                               f"last to resume from the newest intact one")
@@ -96,11 +111,14 @@ class DiffmmCLI(LightningCLI):
         init = getattr(config.get("data"), "init_args", None) or {}
         for key in ("train_shards", "val_shards", "test_shards", "predict_shards"):
             check_shard_spec(init.get(key) if hasattr(init, "get") else None, f"data.{key}")
+        root = os.fspath(config.get("trainer", {}).get("default_root_dir") or os.getcwd())
+        ckpt_dir = os.fspath(config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints"))
+        if self.subcommand == "fit" and is_global_zero_env():
+            self._lock = RunLock([root, ckpt_dir])  # a second fit into these folders stops here, naming the owner
         if config.get("ckpt_path") == "last":
-            # the newest intact checkpoint: falls back past a damaged last.ckpt (rank 0 moves it aside)
-            root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
-            ckpt_dir = config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints")
-            newest = resume_checkpoint(os.fspath(ckpt_dir), os.fspath(root), move_damaged=is_global_zero_env())
+            # the newest intact checkpoint: falls back past a damaged or unsafe last.ckpt (rank 0 moves damaged aside)
+            newest = resume_checkpoint(ckpt_dir, root, move_damaged=is_global_zero_env(),
+                                       trust=config.get("weights_only") is False)
             if newest is not None:
                 config["ckpt_path"] = newest
 
@@ -144,7 +162,12 @@ class DiffmmCLI(LightningCLI):
         trainer["callbacks"] = callbacks
         if not trainer.get("plugins"):
             trainer["plugins"] = [AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
+        built = super().instantiate_trainer(**kwargs)
+        if isinstance(built.strategy, FSDPStrategy) and isinstance(built.accelerator, CPUAccelerator):
+            raise ConfigError("trainer.strategy: FSDP shards over GPUs and does not run on CPU; on CPU use "
+                              "strategy ddp (gloo, several processes) or a single device; FSDP needs "
+                              "accelerator gpu")
+        return built
 
 
 def run_cli(argv: list[str], **kwargs: Any):
@@ -186,13 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         run_cli(argv)
     except SystemExit as e:  # --help, --print_config and jsonargparse's own error messages
         return int(e.code or 0) if not isinstance(e.code, str) else 2
-    except (TrainingDiverged, ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException,
-            ValueError) as e:
+    except (TrainingDiverged, ConfigError, ArgumentError, CheckpointSaveError, FileNotFoundError,
+            MisconfigurationException, ValueError) as e:
         # the non-finite-loss guard (naming the step and the last good checkpoint), bad paths and values (naming the
         # config key): one line; other exceptions keep their traceback
         if os.environ.get("DIFFMM_TRACEBACK"):
             raise
-        named = isinstance(e, (TrainingDiverged, ConfigError, ArgumentError))  # the message says where
+        named = isinstance(e, (TrainingDiverged, ConfigError, ArgumentError, CheckpointSaveError))  # says where
         hint = "" if named else " (DIFFMM_TRACEBACK=1 shows where)"
         print(f"diffmm {cmd}: error: {condense(e)}{hint}", file=sys.stderr)
         if isinstance(e, ArgumentError):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,7 +39,15 @@ def fit(tmp_path, cfg: dict, name: str, ckpt: str | None = None) -> str:
     root = str(tmp_path / name)
     cfg["trainer"]["default_root_dir"] = root
     cfg["trainer"]["callbacks"] = [{"class_path": "train_helpers.BatchTrace", "init_args": {"out": root}}]
-    run_cli(["fit", "--config", write_yaml(tmp_path / f"{name}.yaml", cfg)] + (["--ckpt_path", ckpt] if ckpt else []))
+    args = ["fit", "--config", write_yaml(tmp_path / f"{name}.yaml", cfg)] + (["--ckpt_path", ckpt] if ckpt else [])
+    if cfg["trainer"].get("devices", 1) == 1:
+        run_cli(args)
+        return root
+    # DDP launches processes: run the CLI as one (test helpers importable)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "diffmm.cli", *args], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
     return root
 
 
@@ -116,3 +126,10 @@ def test_checkpoint_without_progress_record_resumes_from_its_data_position(tmp_p
 @pytest.mark.slow
 def test_resume_exactly_with_two_workers(tmp_path, image_text_data):
     resume_chain(tmp_path, _config(image_text_data, num_workers=2))
+
+
+@pytest.mark.slow
+def test_resume_exactly_on_two_ddp_ranks(tmp_path, image_text_data):
+    cfg = _config(image_text_data, devices=2, strategy="ddp")
+    cfg["data"]["init_args"]["batch_size"] = 8  # 96 samples / (2 ranks x 8): 6 batches an epoch
+    resume_chain(tmp_path, cfg, ranks=2)
