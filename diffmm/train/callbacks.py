@@ -2,6 +2,7 @@
 counters per epoch, a prediction writer and a progress bar with real step counts."""
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import os
@@ -169,7 +170,8 @@ class Checkpoint(ModelCheckpoint):
     * No checkpoint is written while the weights or the optimizer state hold NaN or Inf, and none is deleted to
       make room meanwhile (the rule of :class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`, which the CLI
       installs); no checkpoint at all after the run diverged (:class:`NonFiniteGuard`).
-    * At the start of ``fit``, temporary files a killed save left in the folder are removed.
+    * At the start of ``fit``, temporary files a killed save left in the folder are removed (when their process is
+      gone), and so is an older checkpoint a save killed before it removed it (``save_top_k: 1``).
     """
 
     saved_at_step = -1  # global step of the newest checkpoint the trainer wrote in this run
@@ -179,6 +181,21 @@ class Checkpoint(ModelCheckpoint):
         if stage == "fit" and trainer.is_global_zero:
             remove_stale_temporaries(str(self.dirpath or ""))
             remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep-one checkpoints (``save_top_k: 1``, no monitor): remove the older ones a save killed between
+        writing its file and removing the previous one left behind (Lightning forgets them on resume)."""
+        best, folder = self.best_model_path, os.path.realpath(str(self.dirpath or ""))
+        if not (trainer.is_global_zero and self.monitor is None and self.save_top_k == 1 and best
+                and os.path.isfile(best) and os.path.dirname(os.path.realpath(best)) == folder):
+            return
+        newest = os.path.getmtime(best)
+        for path in sorted(glob.glob(os.path.join(folder, f"*{self.FILE_EXTENSION}"))):
+            name = os.path.basename(path)
+            if os.path.realpath(path) != os.path.realpath(best) and not name.startswith(
+                    (self.CHECKPOINT_NAME_LAST, "hpc_ckpt_")) and os.path.getmtime(path) < newest:
+                trainer.strategy.remove_checkpoint(path)
+                log.info("removed %s: an older checkpoint a killed save left behind (checkpoint.save_top_k 1)", path)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self.saved_at_step = trainer.global_step

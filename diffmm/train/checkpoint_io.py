@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import glob
+import importlib
 import logging
 import os
 import pickle
@@ -216,8 +217,10 @@ def checkpoint_damage(path: str, trust: bool = False) -> Optional[str]:
             return f"cannot be read ({_reason(e)})"
         if not trust:
             return unsafe
-        if is_zip:
-            torch.serialization.add_safe_globals(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        if is_zip:  # the user trusts the file: allow the functions and classes it names
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            torch.serialization.add_safe_globals([getattr(importlib.import_module(n.rpartition(".")[0]),
+                                                          n.rpartition(".")[2]) for n in names])
         return None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         return "not a Lightning checkpoint (no 'state_dict')"

@@ -78,7 +78,9 @@ class DiffmmCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1})
+        # the run owns its folder: a resumed run writes the names it would have written (no last-v1.ckpt)
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1,
+                             "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
         # not a callback key: instantiate_trainer adds it only when the run has a logger
         parser.add_class_arguments(LearningRateMonitor, "lr_monitor", fail_untyped=False, sub_configs=True)

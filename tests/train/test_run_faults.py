@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -51,7 +50,7 @@ def _snapshot(folder) -> dict[str, bytes]:
 def test_second_fit_into_a_live_runs_folder_fails_naming_its_pid(tmp_path, capsys, run):
     root, cfg = _copy(run, tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from diffmm.train.checkpoint_io import "
-                               "RunLock; RunLock([sys.argv[1]]); print('locked', flush=True); time.sleep(60)",
+                               "RunLock; lock = RunLock([sys.argv[1]]); print('locked', flush=True); time.sleep(60)",
                                str(root)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -158,7 +157,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_checkpoints(tmp_path,
     assert main(["fit", "--config", cfg, "--ckpt_path", "last", "--trainer.max_steps", "6"]) == 2
     monkeypatch.setattr(cio.torch, "save", real_save)
     line = _one_line(capsys)
-    assert f"disk full: cannot save" in line and f"in {root / 'checkpoints'} (" in line and "MiB free" in line
+    assert "disk full: cannot save" in line and f"in {root / 'checkpoints'} (" in line and "MiB free" in line
     assert f"the newest intact checkpoint is {root / 'checkpoints'}" in line and "--ckpt_path last" in line
     assert _snapshot(root / "checkpoints") == before  # nothing overwritten, no temporary left
     assert not [n for n in os.listdir(root / "checkpoints") if ".tmp-" in n]
@@ -167,7 +166,12 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_checkpoints(tmp_path,
 # ----------------------------------------------------------------------------------------------- FSDP on CPU
 @pytest.mark.parametrize("strategy", ["fsdp", "diffmm.train.strategies.BlockFSDPStrategy"])
 def test_fsdp_on_cpu_is_one_line(tmp_path, capsys, run, strategy):
-    _, cfg = _copy(run, tmp_path)
-    assert main(["fit", "--config", cfg, "--trainer.strategy", strategy]) == 2
+    root, cfg = run
+    cfg = {**cfg, "trainer": {**cfg["trainer"], "default_root_dir": str(tmp_path / "run"),
+                              "strategy": strategy if strategy == "fsdp" else {"class_path": strategy}}}
+    assert main(["fit", "--config", write_yaml(tmp_path / "fsdp.yaml", cfg)]) == 2
     line = _one_line(capsys)
-    assert "trainer.strategy: FSDP shards over GPUs and does not run on CPU; on CPU use strategy ddp" in line
+    if strategy == "fsdp":  # Lightning's own one line
+        assert "The strategy `fsdp` requires a GPU accelerator" in line
+    else:
+        assert "trainer.strategy: FSDP shards over GPUs and does not run on CPU; on CPU use strategy ddp" in line
