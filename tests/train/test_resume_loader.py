@@ -50,8 +50,12 @@ def _loader_at(spec: str, num_workers: int, epoch: int) -> ResumableLoader:
     return loader
 
 
-def test_epoch_comes_from_the_trainer_callback(shards):
+def test_position_comes_from_the_training_progress(shards):
+    """With ``progress`` (TrainingProgress.position) the loader starts where training stands, whatever state
+    Lightning hands it."""
     loader = _loader(shards, 0)
-    loader.default_epoch = lambda: 7
+    loader.progress = lambda: {"epoch": 7, "batches": 4}
+    loader.load_state_dict({"epoch": 2, "batches": 1})  # an older position: the progress record wins
     a = _epoch(loader)
-    assert loader.epoch == 7 and _same(a, _epoch(_loader_at(shards, 0, 7)))
+    assert loader.epoch == 7 and _same(a, _epoch(_loader_at(shards, 0, 7))[4:])
+    assert loader.state_dict() == {"epoch": 7, "batches": 4}
