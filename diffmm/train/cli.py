@@ -116,7 +116,9 @@ class DiffmmCLI(LightningCLI):
         root = os.fspath(config.get("trainer", {}).get("default_root_dir") or os.getcwd())
         ckpt_dir = os.fspath(config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints"))
         if self.subcommand == "fit" and is_global_zero_env():
-            self._lock = RunLock([root, ckpt_dir])  # a second fit into these folders stops here, naming the owner
+            # a second fit into these folders stops here, naming the owner (the root's lock covers folders inside it)
+            inside = os.path.realpath(ckpt_dir).startswith(os.path.join(os.path.realpath(root), ""))
+            self._lock = RunLock([root] if inside else [root, ckpt_dir])
         if config.get("ckpt_path") == "last":
             # the newest intact checkpoint: falls back past a damaged or unsafe last.ckpt (rank 0 moves damaged aside)
             newest = resume_checkpoint(ckpt_dir, root, move_damaged=is_global_zero_env(),

@@ -18,6 +18,7 @@ uninterrupted run's provided the shards, batch size, world size, number of worke
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from diffmm.data.dist import worker_seed
+from diffmm.data.stream import ShardLoader
 
 log = logging.getLogger("diffmm.train")
 _END = object()
@@ -87,24 +89,30 @@ class TrainingProgress(pl.Callback):
     def __init__(self) -> None:
         self.epoch = self.batches = self.total_batches = 0
         self.epoch_batches: float = math.inf
+        self.reshard: Optional[dict] = None  # the saved layout of an epoch interrupted on another world size
         self._rng: Optional[list] = None  # every rank's RNG states, restored when training starts
 
     def position(self) -> dict[str, Any]:
-        """``{"epoch", "batches", "epoch_batches"}``: where the training data stands."""
-        return {"epoch": self.epoch, "batches": self.batches, "epoch_batches": self.epoch_batches}
+        """``{"epoch", "batches", "epoch_batches"}``: where the training data stands (and ``reshard`` while an
+        epoch interrupted on another world size is finished: see :meth:`ResumableLoader._resharded`)."""
+        pos = {"epoch": self.epoch, "batches": self.batches, "epoch_batches": self.epoch_batches}
+        return {**pos, "reshard": self.reshard} if self.reshard else pos
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.batches, self.reshard = self.epoch + 1, 0, None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.total_batches += 1
         self.batches += 1
         self.epoch_batches = trainer.num_training_batches
         if self.batches >= self.epoch_batches:
-            self.epoch, self.batches = self.epoch + 1, 0
+            self._next_epoch()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # a stream without a length ends its epoch by running out (a step limit or early stop cuts it: no new epoch)
-        if self.batches and not math.isfinite(self.epoch_batches) and \
-                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self.epoch, self.batches = self.epoch + 1, 0
+        # an epoch that ran out of data before its length (no length; the rest of a resharded epoch) is over too;
+        # one cut by a step limit or early stopping is not
+        if self.batches and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._next_epoch()
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         states = rng_states()
@@ -116,7 +124,9 @@ class TrainingProgress(pl.Callback):
         dm = trainer.datamodule
         record = {**self.position(), "total_batches": self.total_batches, "global_step": trainer.global_step,
                   "world_size": trainer.world_size, "batch_size": getattr(dm, "batch_size", None),
-                  "rng": gathered}
+                  "num_workers": getattr(dm, "num_workers", None), "rng": gathered}
+        if self.reshard:
+            record["reshard"] = self.reshard
         checkpoint[PROGRESS_KEY] = record
         checkpoint["epoch"] = self.epoch
         if "fit_loop" in (checkpoint.get("loops") or {}):
@@ -128,6 +138,21 @@ class TrainingProgress(pl.Callback):
             return
         self.epoch, self.batches = int(record["epoch"]), int(record["batches"])
         self.total_batches, self.epoch_batches = int(record["total_batches"]), record.get("epoch_batches", math.inf)
+        self.reshard = record.get("reshard")
+        world, now = int(record.get("world_size") or trainer.world_size), trainer.world_size
+        workers = record.get("num_workers")
+        moved = world != now or (workers is not None and workers != getattr(trainer.datamodule, "num_workers", workers))
+        if moved and self.batches and math.isfinite(self.epoch_batches) and self.reshard is None:
+            # finish the epoch from the saved layout: its W x (L - b) remaining batches, split over the new ranks
+            per_epoch = int(self.epoch_batches)
+            self.reshard = {"world_size": world, "batches": self.batches, "epoch_batches": per_epoch,
+                            "num_workers": record.get("num_workers")}
+            self.batches = per_epoch * world // now - (per_epoch - self.batches) * world // now
+            record = {**record, "batches": self.batches}
+            if trainer.is_global_zero:
+                log.info("resume: a checkpoint of %d rank(s) x %s worker(s) on %d rank(s): the rest of epoch %d (%d "
+                         "batches per rank of the saved layout) is split over the ranks now, each sample once", world,
+                         workers, now, self.epoch, per_epoch - self.reshard["batches"])
         rng = record.get("rng")
         self._rng = rng if rng and len(rng) == trainer.world_size else None
         if rng and self._rng is None and trainer.is_global_zero:
@@ -204,7 +229,8 @@ class ResumableLoader:
             return
         if self.signature is not None:
             now = self.signature()
-            changed = {k: (state[k], v) for k, v in now.items() if k in state and state[k] != v}
+            followed = ("world_size", "num_workers") if self.progress is not None else ()  # TrainingProgress reshards
+            changed = {k: (state[k], v) for k, v in now.items() if k in state and state[k] != v and k not in followed}
             if changed:
                 log.warning("resume: data settings changed since the checkpoint (%s); the data position is "
                             "approximate", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
@@ -223,30 +249,26 @@ class ResumableLoader:
         # iterator before it restores the checkpoint (FSDP restores after setup).
         return self._iterate()
 
-    def _start(self) -> tuple[int, int]:
-        """(epoch, batches to skip) of the iteration that starts now."""
+    def _start(self) -> tuple[int, int, Optional[dict]]:
+        """(epoch, batches to skip, the saved layout of a resharded epoch) of the iteration that starts now."""
         if self.progress is not None:
             pos = self.progress()
             self._pending = None
-            return int(pos["epoch"]), int(pos["batches"])
+            return int(pos["epoch"]), int(pos["batches"]), pos.get("reshard")
         if self._pending is not None:
-            start, self._pending = self._pending, None
-            return start
-        return self.epoch + 1, 0
+            (epoch, skip), self._pending = self._pending, None
+            return epoch, skip, None
+        return self.epoch + 1, 0, None
 
-    def _iterate(self) -> Iterator[Any]:
-        epoch, skip = self._start()
-        self.epoch, self.yielded = epoch, skip
-        aug_seed = worker_seed(self.seed, epoch, self.rank, 0x5EED)
-        in_process = getattr(self.loader, "num_workers", 0) == 0
+    def _epoch_batches(self, loader: Any, rank: int, epoch: int) -> Iterator[Any]:
+        """Every batch of ``epoch`` that ``loader`` yields as rank ``rank``, augmentations seeded by both."""
+        aug_seed = worker_seed(self.seed, epoch, rank, 0x5EED)
+        in_process = getattr(loader, "num_workers", 0) == 0
         # the DataLoader draws the workers' base seed from this generator at iter() time (never the global RNG)
-        self.loader.generator = torch.Generator().manual_seed(aug_seed)
+        loader.generator = torch.Generator().manual_seed(aug_seed)
         rng_state = torch.Generator().manual_seed(aug_seed).get_state()
-        self.loader.set_epoch(epoch)
-        keyed = bool(getattr(self.dataset, "with_keys", False))
-        self.keys = []
-        it = iter(self.loader)
-        n = 0
+        loader.set_epoch(epoch)
+        it = iter(loader)
         while True:
             # in-process augmentations get their own, epoch-seeded RNG stream (the caller's is left as it was)
             with torch.random.fork_rng(devices=[], enabled=in_process):
@@ -255,7 +277,45 @@ class ResumableLoader:
                 batch = next(it, _END)
                 rng_state = torch.get_rng_state()
             if batch is _END:
-                break
+                return
+            yield batch
+
+    def _resharded(self, epoch: int, saved: dict) -> Iterator[Any]:
+        """The rest of an epoch interrupted on ``saved["world_size"]`` ranks, on this world size: the saved ranks'
+        streams are replayed (their rank, workers and seeds), their remaining batches taken in order (batch
+        index, then saved rank) and dealt round-robin to the ranks now; every remaining sample is trained once,
+        and fewer than one global batch is left out."""
+        world, done, per_epoch = saved["world_size"], saved["batches"], saved["epoch_batches"]
+        now = self.dataset.rank_world()[1]
+        keep = (per_epoch - done) * world // now  # batches of each rank now
+        streams = []
+        for rank in range(world):
+            ds = copy.copy(self.dataset)
+            ds.rank, ds.world_size, ds._dist_snapshot = rank, world, None
+            workers = self.loader.num_workers if saved.get("num_workers") is None else saved["num_workers"]
+            streams.append(self._epoch_batches(ShardLoader(ds, num_workers=workers), rank, epoch))
+        k = 0
+        for i in range(per_epoch):
+            for stream in streams:
+                batch = next(stream, _END)
+                if batch is _END or k >= keep * now:
+                    return
+                if i < done:
+                    continue
+                if k % now == self.rank % now:
+                    yield batch
+                k += 1
+
+    def _iterate(self) -> Iterator[Any]:
+        epoch, skip, saved = self._start()
+        self.epoch, self.yielded = epoch, skip
+        batches = self._resharded(epoch, saved) if saved else self._epoch_batches(self.loader, self.rank, epoch)
+        if saved:
+            skip = 0
+        keyed = bool(getattr(self.dataset, "with_keys", False))
+        self.keys = []
+        n = 0
+        for batch in batches:
             n += 1
             if keyed:
                 batch, keys = batch
