@@ -25,6 +25,7 @@ import yaml
 from PIL import Image
 
 from diffmm.data.writer import ShardWriter
+from diffmm.train.checkpoint_io import candidate_checkpoints
 
 
 def shards(folder: str) -> str:
@@ -44,13 +45,15 @@ def config(root: str, data: str, args) -> str:
            "trainer": {"accelerator": "cpu", "devices": args.devices, "max_steps": args.steps, "log_every_n_steps": 1,
                        "enable_progress_bar": False, "enable_model_summary": False, "default_root_dir": root,
                        "limit_val_batches": 0, "num_sanity_val_steps": 0,
+                       "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
+                                  "init_args": {"save_dir": root, "name": "csv", "flush_logs_every_n_steps": 1}},
                        **({"strategy": "ddp"} if args.devices > 1 else {})},
            "model": {"class_path": "diffmm.train.CLIPModule", "init_args": {
                "model_name": "DiffCLIP-Tiny", "model_kwargs": shrink, "lr": 5e-3, "warmup_steps": 3,
                "total_steps": args.steps}},
            "data": {"class_path": "diffmm.train.ImageTextDataModule", "init_args": {
                "train_shards": data, "batch_size": 4 // args.devices, "num_workers": args.workers}},
-           "checkpoint": {"every_n_train_steps": 1}}
+           "checkpoint": {"every_n_train_steps": 1, "save_last": False}}  # keep-one: a kill can leave two
     path = root + ".yaml"
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -72,9 +75,13 @@ def losses(root: str) -> dict[int, str]:
     return out
 
 
+def newest(root: str) -> str:
+    return candidate_checkpoints(os.path.join(root, "checkpoints"), root)[0]
+
+
 def compare(a: str, b: str) -> tuple[int, int, float]:
     """(tensors compared, tensors differing, max |difference|) of weights and optimizer state."""
-    x, y = (torch.load(os.path.join(r, "checkpoints", "last.ckpt"), weights_only=True) for r in (a, b))
+    x, y = (torch.load(newest(r), weights_only=True) for r in (a, b))
     pairs = [(x["state_dict"][k], y["state_dict"][k]) for k in x["state_dict"]]
     for sa, sb in zip(x["optimizer_states"], y["optimizer_states"]):
         pairs += [(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i]]
@@ -115,12 +122,15 @@ def main() -> int:
         if proc.wait() == 0:
             break
         sys.exit(f"kill_soak: a resumed run failed (exit {proc.returncode}); see {log.name}")
-    ref, got = losses(ref_root), losses(root)
-    steps_differ = sum(ref.get(s) != got.get(s) for s in ref)
+    ref, got = losses(ref_root), losses(root)  # a kill between a save and the log's flush loses that step's row
+    steps_differ = sum(ref[s] != got[s] for s in ref if s in got)
     n, differ, delta = compare(ref_root, root)
+    left = len(glob.glob(os.path.join(root, "checkpoints", "*.ckpt")))
     print(f"kill_soak: {kills} SIGKILLs ({in_save} while a checkpoint was being written), {runs} starts, "
+          f"{left} checkpoint(s) left (save_top_k 1), "
           f"{args.steps} steps, {args.devices} rank(s), {args.workers} worker(s), {time.time() - t0:.0f} s")
-    print(f"kill_soak: steps with a different loss {steps_differ}/{len(ref)}; tensors differing {differ}/{n} "
+    print(f"kill_soak: steps with a different loss {steps_differ}/{len(set(ref) & set(got))} compared (of "
+          f"{len(ref)}); tensors differing {differ}/{n} "
           f"(max |diff| {delta:.3g}): {'BIT-IDENTICAL' if differ == steps_differ == 0 else 'DIFFERENT'}")
     return 0 if differ == steps_differ == 0 else 1
 
