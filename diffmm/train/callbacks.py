@@ -183,8 +183,12 @@ class Checkpoint(ModelCheckpoint):
             remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Keep-one checkpoints (``save_top_k: 1``, no monitor): remove the older ones a save killed between
-        writing its file and removing the previous one left behind (Lightning forgets them on resume)."""
+        self._remove_older(trainer)
+
+    def _remove_older(self, trainer: pl.Trainer) -> None:
+        """Keep-one checkpoints (``save_top_k: 1``, no monitor): remove older ones, which a save killed between
+        writing its file and removing the previous one left behind (Lightning forgets them on resume), and the one
+        the run resumed from (Lightning never removes it), at the start and at the end of ``fit``."""
         best, folder = self.best_model_path, os.path.realpath(str(self.dirpath or ""))
         if not (trainer.is_global_zero and self.monitor is None and self.save_top_k == 1 and best
                 and os.path.isfile(best) and os.path.dirname(os.path.realpath(best)) == folder):
@@ -195,7 +199,7 @@ class Checkpoint(ModelCheckpoint):
             if os.path.realpath(path) != os.path.realpath(best) and not name.startswith(
                     (self.CHECKPOINT_NAME_LAST, "hpc_ckpt_")) and os.path.getmtime(path) < newest:
                 trainer.strategy.remove_checkpoint(path)
-                log.info("removed %s: an older checkpoint a killed save left behind (checkpoint.save_top_k 1)", path)
+                log.info("removed %s: an older checkpoint than %s (checkpoint.save_top_k 1)", path, best)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self.saved_at_step = trainer.global_step
@@ -210,6 +214,7 @@ class Checkpoint(ModelCheckpoint):
             name = f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
             self.last_model_path = self.last_model_path or os.path.join(str(self.dirpath), name)
             trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
+        self._remove_older(trainer)
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -232,8 +232,9 @@ def candidate_checkpoints(ckpt_dir: str, root: str) -> list[str]:
     ``hpc_ckpt_*`` before periodic ones written at the same time."""
     found = set(glob.glob(os.path.join(ckpt_dir, "*.ckpt"))) | set(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
 
-    def key(p: str) -> tuple[float, bool]:
-        return os.path.getmtime(p), os.path.basename(p).startswith(("last", "hpc_ckpt_"))
+    def key(p: str) -> tuple[float, bool, int]:  # written in the same clock tick: the higher step first
+        step = re.search(r"step=(\d+)", os.path.basename(p))
+        return os.path.getmtime(p), os.path.basename(p).startswith(("last", "hpc_ckpt_")), int(step[1]) if step else -1
 
     return sorted((p for p in found if os.path.isfile(p)), key=key, reverse=True)
 

@@ -15,9 +15,13 @@ What it adds to a plain LightningCLI, through its public hooks (``add_arguments_
   and a progress bar with real step counts;
 * TensorBoard and CSV loggers under ``<trainer.default_root_dir>/{tensorboard,csv}`` unless
   ``trainer.logger`` is given;
+* exact resume: :class:`~diffmm.train.resume.TrainingProgress` writes where training stands into every checkpoint;
 * atomic checkpoint writes that never hold NaN/Inf (:class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`);
-  ``--ckpt_path last`` resumes from the newest *intact* checkpoint (a damaged ``last.ckpt`` falls back with a
-  warning), and a damaged checkpoint named with ``--ckpt_path FILE`` is one line;
+  ``--ckpt_path last`` resumes from the newest *intact* checkpoint (a damaged or unsafe ``last.ckpt`` falls back
+  with a warning), and a damaged or unsafe checkpoint named with ``--ckpt_path FILE`` is one line
+  (``--weights_only false`` trusts an unsafe one); a full disk during a save is one line;
+* ``fit`` owns its folder while it runs (:class:`~diffmm.train.checkpoint_io.RunLock`): a second ``fit`` into it
+  stops with one line naming the running PID;
 * bad configs end with one ``error:`` line (set ``DIFFMM_TRACEBACK=1`` for the traceback).
 
 The data modules follow the model themselves (its preprocessing, tokenizer, context length:
