@@ -91,19 +91,25 @@ def load_image(data: bytes, max_pixels: Optional[int] = MAX_IMAGE_PIXELS) -> Ima
 
 def decode_text(sample: dict, field: str, stats: DataStats, where: str) -> Optional[str]:
     """The UTF-8 text of ``sample[field]`` (a caption, a document), or ``None`` after counting
-    ``missing_text`` / ``bad_utf8``."""
+    ``missing_text`` / ``bad_utf8`` / ``empty_text`` (nothing but white space)."""
     value = sample.get(field)
-    if isinstance(value, str):
+    if isinstance(value, str) and value.strip():
         return value
+    if isinstance(value, str):
+        value = value.encode()
     if not isinstance(value, (bytes, bytearray)):
         stats.skip("missing_text", where,
                    f"no {field!r} field" if value is None else f"{field}: {type(value).__name__}")
         return None
     try:
-        return value.decode("utf-8")
+        text = value.decode("utf-8")
     except UnicodeDecodeError as e:
         stats.skip("bad_utf8", where, str(e))
         return None
+    if not text.strip():
+        stats.skip("empty_text", where, f"{field}: empty")
+        return None
+    return text
 
 
 def parse_label(sample: dict, field: str) -> int:

@@ -30,6 +30,7 @@ COUNTERS: tuple[str, ...] = (
     "skip_corrupt_image",
     "skip_missing_image",
     "skip_missing_text",
+    "skip_empty_text",    # a caption or document of nothing but white space
     "skip_bad_utf8",
     "skip_truncated",     # the sample being read when its shard was cut off
     "skip_bad_label",

@@ -222,7 +222,7 @@ class ShardStream(IterableDataset):
             order = list(mine)
             if self.shuffle:
                 rng.shuffle(order)
-            samples = self._raw_samples(iter(order), produced)
+            samples = self._raw_samples(iter(order), produced, first_read=n_pass == 0)
             if self.shuffle_buffer > 1:
                 samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
             if n_pass == 0:
@@ -237,12 +237,14 @@ class ShardStream(IterableDataset):
                 raise RuntimeError(f"{self.name}: no sample at all in this worker's shards "
                                    f"{[s.url for s in mine][:4]}; cannot fill the epoch (see the shard counts)")
 
-    def _raw_samples(self, slices: Iterator[ShardSlice], produced: list[int]) -> Iterator[dict]:
+    def _raw_samples(self, slices: Iterator[ShardSlice], produced: list[int], first_read: bool = True
+                     ) -> Iterator[dict]:
         barren = 0
         for sl in slices:
             before = produced[0]
             for sample in iter_tar_samples(sl.url, self.stats, sl.offset, sl.stride, start=sl.start, stop=sl.stop,
-                                           expected=sl.size, expected_from=sl.size_from, limits=self.limits):
+                                           expected=sl.size, expected_from=sl.size_from, limits=self.limits,
+                                           first_read=first_read):
                 produced[0] += 1
                 yield sample
             barren = barren + 1 if produced[0] == before else 0

@@ -59,7 +59,7 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 1, *, start: int = 0,
                      stop: Optional[int] = None, expected: Optional[int] = None, expected_from: str = "sizes.json",
-                     limits: ReadLimits = ReadLimits()) -> Generator[dict, None, int]:
+                     limits: ReadLimits = ReadLimits(), first_read: bool = True) -> Generator[dict, None, int]:
     """Yield the samples of shard ``url`` as webdataset does: ``{"__key__", "__url__", field: bytes, ...}``
     (and ``"__local_path__"`` for a local file).
 
@@ -77,16 +77,22 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
             when ``stop == expected``, is counted as ``shards_miscounted`` and named in a warning.
         expected_from: where ``expected`` comes from (for the warning).
         limits: member size cap and ``pipe:`` timeout.
+        first_read: False when the shard is read again in the same epoch (a batch quota re-read): its shard
+            problems and its cut-off sample were counted on the first read and are not counted again.
 
     Returns:
         (the generator's return value) the samples of the shard up to where reading ended (whole
         samples only: the one cut off by damage is not one); a ``start`` past every sample reads no
         member's data, which counts the samples of a shard.
     """
+    def problem_of(counter: str, shard: str, detail: str = "") -> None:
+        if first_read:
+            stats.shard_problem(counter, shard, detail)
+
     try:
         stream = open_shard(url, timeout=limits.pipe_timeout)
     except OSError as e:
-        stats.shard_problem("shards_failed", url, f"{type(e).__name__}: {e}")
+        problem_of("shards_failed", url, f"{type(e).__name__}: {e}")
         return 0
     stats.add("shards_opened")
     base = {"__local_path__": local_path(url)} if is_local(url) else {}   # as webdataset's samples have it
@@ -120,7 +126,7 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
             if current is None:
                 if stop is not None and index >= stop:
                     if expected is not None and stop >= expected:
-                        stats.shard_problem("shards_miscounted", url, f"more samples than the {expected} "
+                        problem_of("shards_miscounted", url, f"more samples than the {expected} "
                                             f"{expected_from} says; the rest are not read (run `diffmm shards index`)")
                     abandoned = True
                     break
@@ -150,15 +156,15 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
     if abandoned:
         return index
     if close_error is not None:
-        stats.shard_problem("shards_failed", url, close_error)
+        problem_of("shards_failed", url, close_error)
     elif problem is not None and n_members == 0 and "empty file" in problem:
-        stats.shard_problem("shards_empty", url)
+        problem_of("shards_empty", url)
     elif problem is not None and n_members == 0 and not getattr(tf, "_diffmm_cut", False):
-        stats.shard_problem("shards_failed", url, f"not a readable tar ({problem})")
+        problem_of("shards_failed", url, f"not a readable tar ({problem})")
     elif problem is not None:
-        stats.shard_problem("shards_truncated", url, problem)
+        problem_of("shards_truncated", url, problem)
     if problem is not None:
-        if current is not None and wanted(index):
+        if current is not None and wanted(index) and first_read:
             # the sample being read when the stream broke may be incomplete: never use it
             stats.add("samples_in")
             stats.skip("truncated", f"{url}:{current['__key__']}")
@@ -171,10 +177,10 @@ def iter_tar_samples(url: str, stats: DataStats, offset: int = 0, stride: int = 
                 yield current
         index += 1
     elif n_members == 0 and close_error is None:
-        stats.shard_problem("shards_empty", url)
+        problem_of("shards_empty", url)
         return index
     if expected is not None and close_error is None and (index < expected or (stop is None and index > expected)):
-        stats.shard_problem("shards_miscounted", url, f"{index} samples, but {expected_from} says {expected} "
+        problem_of("shards_miscounted", url, f"{index} samples, but {expected_from} says {expected} "
                             "(run `diffmm shards index` to rewrite it)")
     return index
 

@@ -2,6 +2,7 @@
 counters per epoch, a prediction writer and a progress bar with real step counts."""
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import os
@@ -169,9 +170,8 @@ class Checkpoint(ModelCheckpoint):
     * No checkpoint is written while the weights or the optimizer state hold NaN or Inf, and none is deleted to
       make room meanwhile (the rule of :class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`, which the CLI
       installs); no checkpoint at all after the run diverged (:class:`NonFiniteGuard`).
-    * A checkpoint saved after a run stopped mid-epoch records the epoch as unfinished, so extending the
-      run (a larger ``max_steps``) continues the same epoch and data position (:meth:`on_save_checkpoint`).
-    * At the start of ``fit``, temporary files a killed save left in the folder are removed.
+    * At the start of ``fit``, temporary files a killed save left in the folder are removed (when their process is
+      gone), and so is an older checkpoint a save killed before it removed it (``save_top_k: 1``).
     """
 
     saved_at_step = -1  # global step of the newest checkpoint the trainer wrote in this run
@@ -182,30 +182,27 @@ class Checkpoint(ModelCheckpoint):
             remove_stale_temporaries(str(self.dirpath or ""))
             remove_stale_temporaries(trainer.default_root_dir)  # SLURM's hpc_ckpt_* are written there
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """Make a checkpoint saved after a run stopped mid-epoch (``max_steps``, early stopping) say so.
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_older(trainer)
 
-        Lightning counts the epoch as finished when the run stops; the data position says how many
-        batches of it were consumed. Resuming such a checkpoint with a larger ``max_steps`` would start
-        the next epoch in the trainer while the data continues this one. Here the saved epoch progress
-        is set back to "this epoch started, not finished", so the resumed run continues the same epoch
-        at the next batch, exactly where an uninterrupted run would be.
-        """
+    def _remove_older(self, trainer: pl.Trainer) -> None:
+        """Keep-one checkpoints (``save_top_k: 1``, no monitor): remove older ones, which a save killed between
+        writing its file and removing the previous one left behind (Lightning forgets them on resume), and the one
+        the run resumed from (Lightning never removes it), at the start and at the end of ``fit``."""
+        best, folder = self.best_model_path, os.path.realpath(str(self.dirpath or ""))
+        if not (trainer.is_global_zero and self.monitor is None and self.save_top_k == 1 and best
+                and os.path.isfile(best) and os.path.dirname(os.path.realpath(best)) == folder):
+            return
+        newest = os.path.getmtime(best)
+        for path in sorted(glob.glob(os.path.join(folder, f"*{self.FILE_EXTENSION}"))):
+            name = os.path.basename(path)
+            if os.path.realpath(path) != os.path.realpath(best) and not name.startswith(
+                    (self.CHECKPOINT_NAME_LAST, "hpc_ckpt_")) and os.path.getmtime(path) < newest:
+                trainer.strategy.remove_checkpoint(path)
+                log.info("removed %s: an older checkpoint than %s (checkpoint.save_top_k 1)", path, best)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self.saved_at_step = trainer.global_step
-        loop = trainer.fit_loop
-        batches = trainer.num_training_batches
-        done = loop.epoch_loop.batch_progress.current.ready
-        ep = loop.epoch_progress.current
-        if not (ep.ready == ep.started == ep.processed and 0 < done and math.isfinite(batches) and done < batches
-                and not loop.epoch_loop.batch_progress.is_last_batch):
-            return
-        fit = (checkpoint.get("loops") or {}).get("fit_loop")
-        if not fit or "epoch_progress" not in fit:
-            return
-        for part in ("total", "current"):
-            p = fit["epoch_progress"][part]
-            p["processed"] = p["completed"] = p["started"] - 1
-        checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, TrainingDiverged):
@@ -217,6 +214,7 @@ class Checkpoint(ModelCheckpoint):
             name = f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
             self.last_model_path = self.last_model_path or os.path.join(str(self.dirpath), name)
             trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
+        self._remove_older(trainer)
 
 
 class StepProgressBar(TQDMProgressBar):

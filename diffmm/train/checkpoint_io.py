@@ -5,15 +5,25 @@
   older one meanwhile), and names the file in one line when a checkpoint cannot be read.
 * :func:`resume_checkpoint` resolves ``--ckpt_path last``: the newest checkpoint that is intact, with a warning
   naming both files when the newest one is damaged.
-* :func:`remove_stale_temporaries` deletes the ``.NAME.tmp-PID`` files a killed save leaves.
+* :func:`remove_stale_temporaries` deletes the ``.NAME.tmp-PID`` files a killed save leaves (only when process PID
+  is gone); :class:`RunLock` makes a run the only one writing its folder while it lives.
+* A file that weights-only loading refuses (it would call a function such as ``os.system`` while unpickling) is
+  *refused as unsafe*, not called damaged; ``--weights_only false`` trusts it. A save that fills the disk is one
+  line naming the folder, the free space and the newest intact checkpoint.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import glob
+import importlib
 import logging
 import os
+import pickle
 import re
+import shutil
+import socket
 import zipfile
 from typing import Any, Iterable, Optional, Union
 
@@ -22,12 +32,39 @@ from fsspec.utils import get_protocol
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from diffmm.hub.checkpoint import DamagedFileError, torch_file_damage
-from diffmm.train.errors import ConfigError
+from diffmm.train.errors import CheckpointSaveError, ConfigError
 
 log = logging.getLogger("diffmm.train")
 
 #: temporary files of AtomicCheckpointIO / diffmm.hub.checkpoint.atomic_save: ``.NAME.tmp-PID``
-_TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
+_TMP_RE = re.compile(r"^\..+\.tmp-(\d+)$")
+#: how :func:`checkpoint_damage` and the loaders word a file that weights-only loading refuses
+UNSAFE = "refused as unsafe to unpickle"
+#: what trusts such a file (LightningCLI's ``weights_only`` argument of fit/validate/test/predict)
+TRUST_FLAG = "--weights_only false"
+#: the lock file of a run's folders (:class:`RunLock`)
+LOCK_NAME = ".diffmm-run.lock"
+
+
+def unsafe_reason(e: BaseException) -> Optional[str]:
+    """``"refused as unsafe to unpickle (...)"`` when ``e`` is weights-only loading refusing a pickle, else None."""
+    text = str(e)
+    if not isinstance(e, pickle.UnpicklingError) or "Weights only load failed" not in text:
+        return None
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    what = (f"it calls {found.group(1)}" if found else "it is a pickle that is not torch.save's format")
+    return f"{UNSAFE} ({what}, which weights-only loading refuses: unpickling it could run code)"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def non_finite_keys(tensors: Iterable[tuple[str, Any]], limit: int = 3) -> list[str]:
@@ -108,6 +145,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or shutil.disk_usage(folder).free < 2**20
+            written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            if not full:
+                raise
+            raise CheckpointSaveError(self._disk_full(path, folder, written)) from None
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -117,6 +162,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             os.close(fd)
         self.last_saved = (path, step)
+
+    def _disk_full(self, path: str, folder: str, written: int) -> str:
+        """The one line of a save that filled the disk: the folder, its free space, the newest intact checkpoint."""
+        free = shutil.disk_usage(folder).free
+        newest = self.last_saved[0] if self.last_saved and os.path.exists(self.last_saved[0]) else None
+        if newest is None:
+            newest = next((p for p in candidate_checkpoints(folder, folder) if checkpoint_damage(p) is None), None)
+        return (f"disk full: cannot save {os.path.basename(path)} in {folder} ({free / 2**20:.1f} MiB free after "
+                f"removing the partial file of {written / 2**20:.1f} MiB); nothing was overwritten, the newest intact "
+                f"checkpoint is {newest or 'none'}: free space, then resume with --ckpt_path last")
 
     def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
         if self._refused_step is None:
@@ -129,28 +184,44 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if damage is not None:
                 raise DamagedFileError(f"{path}: {damage}")
         try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return super().load_checkpoint(path, map_location=map_location,
+                                           weights_only=True if weights_only is None else weights_only)
+        except pickle.UnpicklingError as e:
+            why = unsafe_reason(e)
+            if why is None:
+                raise DamagedFileError(f"{path}: cannot read the checkpoint ({_reason(e)})") from None
+            raise ConfigError(f"ckpt_path: {path} is {why}; if you trust the file, pass {TRUST_FLAG}") from None
         except (RuntimeError, EOFError) as e:
             raise DamagedFileError(f"{path}: cannot read the checkpoint ({_reason(e)})") from None
 
 
-def checkpoint_damage(path: str) -> Optional[str]:
-    """Why a Lightning checkpoint cannot be resumed from (``None``: intact).
+def checkpoint_damage(path: str, trust: bool = False) -> Optional[str]:
+    """Why a Lightning checkpoint cannot be resumed from (``None``: intact); a file weights-only loading refuses
+    gets ``"refused as unsafe to unpickle (...)"`` (:data:`UNSAFE`) unless ``trust``.
 
     Checks the zip directory and the CRC of the pickle record, then unpickles the checkpoint with
     ``weights_only=True`` and ``mmap=True``: every tensor record must exist, but no tensor data is
-    read, so this costs milliseconds even for large checkpoints. A file that needs full unpickling
-    is not called damaged (Lightning decides how to load it).
+    read, so this costs milliseconds even for large checkpoints (legacy non-zip files are read whole).
+    A trusted file is registered with ``torch.serialization.add_safe_globals`` (zip files: every load of this
+    process then accepts the globals it names); a trusted legacy pickle is left to ``torch.load``.
     """
     damage = torch_file_damage(path)
-    if damage is not None or not zipfile.is_zipfile(path):  # legacy (non-zip) files: left to torch.load
+    if damage is not None:
         return damage
+    is_zip = zipfile.is_zipfile(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except Exception as e:  # noqa: BLE001 - any failure here means the file cannot be resumed from
-        if "Unsupported global" in str(e):  # a real class reference: needs trust, not damaged
-            return None
-        return f"cannot be read ({_reason(e)})"
+        unsafe = unsafe_reason(e)
+        if unsafe is None:
+            return f"cannot be read ({_reason(e)})"
+        if not trust:
+            return unsafe
+        if is_zip:  # the user trusts the file: allow the functions and classes it names
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            torch.serialization.add_safe_globals([getattr(importlib.import_module(n.rpartition(".")[0]),
+                                                          n.rpartition(".")[2]) for n in names])
+        return None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         return "not a Lightning checkpoint (no 'state_dict')"
     return None
@@ -161,13 +232,14 @@ def candidate_checkpoints(ckpt_dir: str, root: str) -> list[str]:
     ``hpc_ckpt_*`` before periodic ones written at the same time."""
     found = set(glob.glob(os.path.join(ckpt_dir, "*.ckpt"))) | set(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
 
-    def key(p: str) -> tuple[float, bool]:
-        return os.path.getmtime(p), os.path.basename(p).startswith(("last", "hpc_ckpt_"))
+    def key(p: str) -> tuple[float, bool, int]:  # written in the same clock tick: the higher step first
+        step = re.search(r"step=(\d+)", os.path.basename(p))
+        return os.path.getmtime(p), os.path.basename(p).startswith(("last", "hpc_ckpt_")), int(step[1]) if step else -1
 
     return sorted((p for p in found if os.path.isfile(p)), key=key, reverse=True)
 
 
-def resume_checkpoint(ckpt_dir: str, root: str, move_damaged: bool = False) -> Optional[str]:
+def resume_checkpoint(ckpt_dir: str, root: str, move_damaged: bool = False, trust: bool = False) -> Optional[str]:
     """What ``--ckpt_path last`` resumes from: the newest checkpoint of :func:`candidate_checkpoints` that is
     intact (a warning names the damaged newer ones). ``None`` when there is none at all.
 
@@ -177,22 +249,23 @@ def resume_checkpoint(ckpt_dir: str, root: str, move_damaged: bool = False) -> O
     Args:
         move_damaged: rename the damaged files newer than the one resumed from to ``NAME.damaged`` (kept for
             inspection; a damaged ``last.ckpt`` left in place would make the next save write ``last-v1.ckpt``).
-            Only one process (global rank 0) should do this.
+            Only one process (global rank 0) should do this. Files refused as unsafe are skipped, never moved.
+        trust: accept files that weights-only loading refuses (:func:`checkpoint_damage`).
 
     Raises:
         ConfigError: checkpoints exist but every one is damaged (the message names each).
     """
     damaged: dict[str, str] = {}
     for path in candidate_checkpoints(ckpt_dir, root):
-        why = checkpoint_damage(path)
+        why = checkpoint_damage(path, trust)
         if why is not None:
             damaged[path] = why
             continue
         if damaged:
-            moved = {p: _move_aside(p) for p in damaged} if move_damaged else {}
-            log.warning("resume: %s; resuming from %s instead, the newest intact checkpoint",
-                        "; ".join(f"{p} is damaged ({w})" + (f", moved to {moved[p]}" if moved.get(p) else "")
-                                  for p, w in damaged.items()), path)
+            moved = {p: _move_aside(p) for p, w in damaged.items() if not w.startswith(UNSAFE)} if move_damaged else {}
+            log.warning("resume: %s; resuming from %s instead, the newest intact checkpoint", "; ".join(
+                (f"{p} is {w} (pass {TRUST_FLAG} to trust it)" if w.startswith(UNSAFE) else f"{p} is damaged ({w})")
+                + (f", moved to {moved[p]}" if moved.get(p) else "") for p, w in damaged.items()), path)
         return path
     if damaged:
         listing = "; ".join(f"{p}: {why}" for p, why in damaged.items())
@@ -214,13 +287,56 @@ def _move_aside(path: str) -> Optional[str]:
 
 
 def remove_stale_temporaries(folder: str) -> None:
-    """Delete ``.NAME.tmp-PID`` files (left by a save that was killed) in ``folder``.
-
-    Call only while no save of this run can be in progress (before training starts).
-    """
+    """Delete ``.NAME.tmp-PID`` files (left by a save that was killed) in ``folder`` whose process PID is gone
+    (or is this one: call only while no save of this run can be in progress, before training starts)."""
     names = sorted(n for n in os.listdir(folder) if _TMP_RE.match(n)) if folder and os.path.isdir(folder) else []
+    names = [n for n in names if int(_TMP_RE.match(n).group(1)) == os.getpid()
+             or not pid_alive(int(_TMP_RE.match(n).group(1)))]
     for name in names:
         with contextlib.suppress(OSError):  # another process removed it
             os.remove(os.path.join(folder, name))
     if names:
         log.info("removed %d temporary file(s) of an interrupted checkpoint save: %s", len(names), ", ".join(names))
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``FOLDER/.diffmm-run.lock`` in each folder of a run (its root, its checkpoints),
+    holding ``PID host`` of the owner. The kernel drops it when the owner exits, however it dies, so a killed run
+    leaves no stale lock. (``flock`` is local; on network file systems it holds as far as they support it.)
+
+    Raises:
+        ConfigError: another live process holds one of the folders (the message names its PID and host).
+    """
+
+    def __init__(self, folders: list[str]) -> None:
+        self._files: list = []
+        try:
+            for folder in dict.fromkeys(os.path.realpath(f) for f in folders):
+                os.makedirs(folder, exist_ok=True)
+                path = os.path.join(folder, LOCK_NAME)
+                f = open(path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    f.seek(0)
+                    owner = f.read().split() or ["?", "?"]
+                    f.close()
+                    raise ConfigError(f"{folder} belongs to a running fit (PID {owner[0]} on {owner[-1]}, lock "
+                                      f"{path}); wait for it to end, or give this run its own "
+                                      f"--trainer.default_root_dir") from None
+                f.seek(0)
+                f.truncate()
+                f.write(f"{os.getpid()} {socket.gethostname()}\n")
+                f.flush()
+                self._files.append(f)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Unlock (the lock files stay, naming the last owner)."""
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+        self._files = []

@@ -15,9 +15,13 @@ What it adds to a plain LightningCLI, through its public hooks (``add_arguments_
   and a progress bar with real step counts;
 * TensorBoard and CSV loggers under ``<trainer.default_root_dir>/{tensorboard,csv}`` unless
   ``trainer.logger`` is given;
+* exact resume: :class:`~diffmm.train.resume.TrainingProgress` writes where training stands into every checkpoint;
 * atomic checkpoint writes that never hold NaN/Inf (:class:`~diffmm.train.checkpoint_io.AtomicCheckpointIO`);
-  ``--ckpt_path last`` resumes from the newest *intact* checkpoint (a damaged ``last.ckpt`` falls back with a
-  warning), and a damaged checkpoint named with ``--ckpt_path FILE`` is one line;
+  ``--ckpt_path last`` resumes from the newest *intact* checkpoint (a damaged or unsafe ``last.ckpt`` falls back
+  with a warning), and a damaged or unsafe checkpoint named with ``--ckpt_path FILE`` is one line
+  (``--weights_only false`` trusts an unsafe one); a full disk during a save is one line;
+* ``fit`` owns its folder while it runs (:class:`~diffmm.train.checkpoint_io.RunLock`): a second ``fit`` into it
+  stops with one line naming the running PID;
 * bad configs end with one ``error:`` line (set ``DIFFMM_TRACEBACK=1`` for the traceback).
 
 The data modules follow the model themselves (its preprocessing, tokenizer, context length:
@@ -34,16 +38,19 @@ from typing import Any
 import pytorch_lightning as pl
 from jsonargparse import ArgumentError
 from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.callbacks import DeviceStatsMonitor, LearningRateMonitor, ProgressBar
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from diffmm.train.callbacks import Checkpoint, DataStatsMonitor, NonFiniteGuard, PredictionWriter, StepProgressBar
-from diffmm.train.checkpoint_io import AtomicCheckpointIO, checkpoint_damage, resume_checkpoint
-from diffmm.train.clip_module import resuming_from
+from diffmm.train.checkpoint_io import (TRUST_FLAG, UNSAFE, AtomicCheckpointIO, RunLock, checkpoint_damage,
+                                        resume_checkpoint)
 from diffmm.train.datamodules import check_shard_spec
-from diffmm.train.errors import DIVERGED_EXIT_CODE, ConfigError, TrainingDiverged
+from diffmm.train.errors import DIVERGED_EXIT_CODE, CheckpointSaveError, ConfigError, TrainingDiverged
+from diffmm.train.resume import TrainingProgress
 
 log = logging.getLogger("diffmm.train")
 
@@ -62,11 +69,22 @@ def is_global_zero_env() -> bool:
 
 
 class DiffmmCLI(LightningCLI):
-    """LightningCLI with diffmm's always-on callbacks, loggers, atomic checkpoints and resume rules."""
+    """LightningCLI with diffmm's always-on callbacks, loggers, atomic checkpoints and resume rules; a ``fit`` owns
+    its folders (:class:`~diffmm.train.checkpoint_io.RunLock`) while it runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._lock: RunLock | None = None
+        try:
+            super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1})
+        # the run owns its folder: a resumed run writes the names it would have written (no last-v1.ckpt)
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1,
+                             "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
         # not a callback key: instantiate_trainer adds it only when the run has a logger
         parser.add_class_arguments(LearningRateMonitor, "lr_monitor", fail_untyped=False, sub_configs=True)
@@ -80,7 +98,10 @@ class DiffmmCLI(LightningCLI):
         # damaged one the user named is one line naming it (no fallback: it is what the user asked for)
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        damage = checkpoint_damage(os.fspath(path)) if path and path != "last" and os.path.isfile(path) else None
+        trust = bool(sub) and self.config[sub].get("weights_only") is False
+        damage = checkpoint_damage(os.fspath(path), trust) if path and path != "last" and os.path.isfile(path) else None
+        if damage is not None and damage.startswith(UNSAFE):
+            raise ConfigError(f"ckpt_path: {path} is {damage}; if you trust the file, pass {TRUST_FLAG}")
         if damage is not None:
             raise ConfigError(f"ckpt_path: {path} is damaged ({damage}); give an intact checkpoint, or --ckpt_path "
                               f"last to resume from the newest intact one")
@@ -96,19 +117,35 @@ class DiffmmCLI(LightningCLI):
         init = getattr(config.get("data"), "init_args", None) or {}
         for key in ("train_shards", "val_shards", "test_shards", "predict_shards"):
             check_shard_spec(init.get(key) if hasattr(init, "get") else None, f"data.{key}")
+        root = os.fspath(config.get("trainer", {}).get("default_root_dir") or os.getcwd())
+        ckpt_dir = os.fspath(config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints"))
+        if self.subcommand == "fit" and is_global_zero_env():
+            # a second fit into these folders stops here, naming the owner (the root's lock covers folders inside it)
+            inside = os.path.realpath(ckpt_dir).startswith(os.path.join(os.path.realpath(root), ""))
+            self._lock = RunLock([root] if inside else [root, ckpt_dir])
         if config.get("ckpt_path") == "last":
-            # the newest intact checkpoint: falls back past a damaged last.ckpt (rank 0 moves it aside)
-            root = config.get("trainer", {}).get("default_root_dir") or os.getcwd()
-            ckpt_dir = config.get("checkpoint", {}).get("dirpath") or os.path.join(root, "checkpoints")
-            newest = resume_checkpoint(os.fspath(ckpt_dir), os.fspath(root), move_damaged=is_global_zero_env())
+            # the newest intact checkpoint: falls back past a damaged or unsafe last.ckpt (rank 0 moves damaged aside)
+            newest = resume_checkpoint(ckpt_dir, root, move_damaged=is_global_zero_env(),
+                                       trust=config.get("weights_only") is False)
             if newest is not None:
                 config["ckpt_path"] = newest
 
     def instantiate_classes(self) -> None:
-        # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not needed
-        ckpt = self._subcommand_config(self.config).get("ckpt_path")
-        with resuming_from(os.fspath(ckpt) if ckpt and os.path.isfile(os.fspath(ckpt)) else None):
-            super().instantiate_classes()
+        # a run that resumes from a checkpoint takes every weight from it: a pretrained file gone since is not read
+        # (the model's hyperparameters keep its path, so checkpoints still say where the run started from)
+        config = self._subcommand_config(self.config)
+        ckpt, init = config.get("ckpt_path"), getattr(config.get("model"), "init_args", None)
+        pretrained = init.get("pretrained") if ckpt and hasattr(init, "get") else None
+        gone = isinstance(pretrained, str) and not os.path.exists(os.path.expanduser(pretrained))
+        if gone:
+            log.warning("model.pretrained %s is not there; it is not read: the run resumes from %s, which holds "
+                        "every weight", pretrained, ckpt)
+            init["pretrained"] = None
+        super().instantiate_classes()
+        if gone:
+            init["pretrained"] = pretrained
+            if "pretrained" in getattr(self.model, "hparams", {}):
+                self.model.hparams["pretrained"] = pretrained
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         config = self._subcommand_config(self.config_init)
@@ -129,10 +166,16 @@ class DiffmmCLI(LightningCLI):
         if trainer.get("enable_progress_bar", True) is not False and not any(isinstance(cb, ProgressBar)
                                                                              for cb in callbacks):
             callbacks.append(StepProgressBar())  # real step counts on resumed / extended runs
+        callbacks.append(TrainingProgress())  # where training stands, in every checkpoint: exact resume
         trainer["callbacks"] = callbacks
         if not trainer.get("plugins"):
             trainer["plugins"] = [AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
+        built = super().instantiate_trainer(**kwargs)
+        if isinstance(built.strategy, FSDPStrategy) and isinstance(built.accelerator, CPUAccelerator):
+            raise ConfigError("trainer.strategy: FSDP shards over GPUs and does not run on CPU; on CPU use "
+                              "strategy ddp (gloo, several processes) or a single device; FSDP needs "
+                              "accelerator gpu")
+        return built
 
 
 def run_cli(argv: list[str], **kwargs: Any):
@@ -174,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         run_cli(argv)
     except SystemExit as e:  # --help, --print_config and jsonargparse's own error messages
         return int(e.code or 0) if not isinstance(e.code, str) else 2
-    except (TrainingDiverged, ConfigError, ArgumentError, FileNotFoundError, MisconfigurationException,
-            ValueError) as e:
+    except (TrainingDiverged, ConfigError, ArgumentError, CheckpointSaveError, FileNotFoundError,
+            MisconfigurationException, ValueError) as e:
         # the non-finite-loss guard (naming the step and the last good checkpoint), bad paths and values (naming the
         # config key): one line; other exceptions keep their traceback
         if os.environ.get("DIFFMM_TRACEBACK"):
             raise
-        named = isinstance(e, (TrainingDiverged, ConfigError, ArgumentError))  # the message says where
+        named = isinstance(e, (TrainingDiverged, ConfigError, ArgumentError, CheckpointSaveError))  # says where
         hint = "" if named else " (DIFFMM_TRACEBACK=1 shows where)"
         print(f"diffmm {cmd}: error: {condense(e)}{hint}", file=sys.stderr)
         if isinstance(e, ArgumentError):

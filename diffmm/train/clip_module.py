@@ -2,12 +2,10 @@
 classification during validation."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
-import os
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -23,24 +21,6 @@ from diffmm.train.losses import ContrastiveLoss
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
 
 log = logging.getLogger("diffmm.train")
-
-# The checkpoint a run is about to resume from, while diffmm's CLI builds its classes (``resuming_from``): that
-# checkpoint holds every weight, so a ``pretrained`` file that is gone by then is not needed.
-_RESUME_CHECKPOINT: Optional[str] = None
-
-
-@contextlib.contextmanager
-def resuming_from(ckpt_path: Optional[str]) -> Iterator[None]:
-    """Within this context ``CLIPModule`` skips a ``pretrained`` file that no longer exists, with a warning: the
-    run resumes from ``ckpt_path``, whose weights replace the pretrained ones anyway. The hyperparameters keep the
-    path, so the checkpoint still says where the run started from."""
-    global _RESUME_CHECKPOINT
-    previous, _RESUME_CHECKPOINT = _RESUME_CHECKPOINT, ckpt_path
-    try:
-        yield
-    finally:
-        _RESUME_CHECKPOINT = previous
-
 
 class ZeroShotHook:
     """Zero-shot top-1/top-5 on a labelled image set, run at the end of validation epochs on rank 0, through
@@ -179,10 +159,6 @@ class CLIPModule(TrainModule):
                  image_lr: Optional[float] = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
-        if pretrained and _RESUME_CHECKPOINT and not os.path.exists(os.path.expanduser(pretrained)):
-            log.warning("model.pretrained %s is not there; it is not read: the run resumes from %s, which holds "
-                        "every weight", pretrained, _RESUME_CHECKPOINT)
-            pretrained = None
         if model is None:
             model = create_model(model_name, pretrained or None, swap=swap, trust_pickle=trust_pickle,
                                  **dict(model_kwargs or {}))

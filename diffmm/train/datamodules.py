@@ -6,9 +6,9 @@ must match (a CLIP model's preprocessing through :func:`~diffmm.models.clip.prep
 :func:`~diffmm.models.clip.preprocess.tokenizer_for`; an LM module's ``tokenizer`` and ``context_length``; the
 recall vocabulary), so a config names them once. Such an argument set in the data config to a different value is
 a one-line :class:`~diffmm.train.errors.ConfigError` naming both; without a model (data-only use) the arguments
-and their defaults apply. Shard training loaders are :class:`~diffmm.train.resume.ResumableLoader`\\ s: Lightning
-saves their position (epoch, batches consumed) in every checkpoint through the stateful-dataloader protocol and
-``fit --ckpt_path`` restores it. Shards need no ``sizes.json``: they are counted once and cached
+and their defaults apply. Shard training loaders are :class:`~diffmm.train.resume.ResumableLoader`\\ s that start each
+epoch where :class:`~diffmm.train.resume.TrainingProgress` says training stands, so ``fit --ckpt_path`` resumes
+exactly. Shards need no ``sizes.json``: they are counted once and cached
 (:mod:`diffmm.data.sizes`).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from diffmm.models.clip.preprocess import (image_size_of, image_transform, norma
                                           transforms_for, truncate_of)
 from diffmm.models.clip.tokenizer import CLIPTokenizer
 from diffmm.train.errors import ConfigError
-from diffmm.train.resume import ResumableLoader
+from diffmm.train.resume import ResumableLoader, TrainingProgress
 
 log = logging.getLogger("diffmm.train")
 
@@ -123,15 +123,14 @@ class ShardDataModule(pl.LightningDataModule):
             ds = self.make_dataset(spec, True, self.batch_size, resampled=self.resampled,
                                    samples_per_epoch=self.samples_per_epoch, weights=self.train_weights,
                                    shuffle_buffer=self.shuffle_buffer, seed=self.seed, **common)
-            epoch = (lambda: int(self.trainer.fit_loop.epoch_progress.current.processed)) if self.trainer else None
-            hooks = dict(default_epoch=epoch, position=self._train_position, signature=self._signature)
+            hooks = dict(progress=self._progress(), signature=self._signature)
         else:
             # evaluation: every rank the same number of batches under DDP (uneven counts can hang collectives; the
             # last incomplete global batch is dropped), except predict, which reads every sample and keeps its key
             equalize = (world > 1 or self.equalize_eval) and stage != "predict"
             ds = self.make_dataset(spec, False, self.val_batch_size, shuffle=False, equalize=equalize, **common)
             ds.with_keys = stage == "predict"
-            hooks = dict(default_epoch=lambda: 0)
+            hooks = dict(progress=lambda: {"epoch": 0, "batches": 0})
         loader = ResumableLoader(ShardLoader(ds, num_workers=self.num_workers), seed=self.seed, rank=rank, **hooks)
         self._loaders[stage] = loader
         return loader
@@ -175,15 +174,15 @@ class ShardDataModule(pl.LightningDataModule):
         return {"train_shards": self.shards["train"], "batch_size": self.batch_size, "seed": self.seed,
                 "world_size": rank_and_world(self)[1], "num_workers": self.num_workers, "resampled": self.resampled}
 
-    def _train_position(self) -> dict:
-        """``{"epoch", "batches", "epoch_batches"}`` of the training stream from the trainer's progress."""
-        loader = self._loaders["train"]
-        if self.trainer is None:
-            return {"epoch": loader.epoch, "batches": loader.yielded}
-        done = int(self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-        total = self.trainer.num_training_batches
-        epoch, batches = (loader.epoch + 1, 0) if done >= total else (loader.epoch, done)
-        return {"epoch": epoch, "batches": batches, "epoch_batches": total}
+    def _progress(self) -> Optional[Callable[[], dict]]:
+        """Where training stands (:class:`~diffmm.train.resume.TrainingProgress`, which the CLI adds); without it
+        (a plain ``Trainer``) the loader counts epochs itself and a mid-epoch resume is not exact (warned)."""
+        tracker = next((cb for cb in self.trainer.callbacks if isinstance(cb, TrainingProgress)),
+                       None) if self.trainer is not None else None
+        if tracker is None and self.trainer is not None:
+            log.warning("no diffmm.train.resume.TrainingProgress callback: resuming mid-epoch is not exact "
+                        "(add it to trainer.callbacks; the diffmm CLI does)")
+        return tracker.position if tracker is not None else None
 
 
 class ImageTextDataModule(ShardDataModule):

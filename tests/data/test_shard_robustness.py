@@ -9,6 +9,7 @@ import torch
 
 from diffmm.data.image_text import ImageTextDataset, image_text_loader
 from diffmm.data.stats import SKIP_REASONS
+from diffmm.data.stream import ShardLoader
 from diffmm.data.writer import ShardWriter
 
 
@@ -38,6 +39,7 @@ def good(i, dh):
     ("no .txt", {"png": None}, "missing_text"),
     ("no image", {"txt": "3"}, "missing_image"),
     ("non-UTF-8 caption", {"png": None, "txt": b"\xff\xfe caf\xe9"}, "bad_utf8"),
+    ("empty caption", {"png": None, "txt": " \n"}, "empty_text"),
 ])
 def test_bad_sample_is_skipped_and_counted(tmp_path, dh, fault, fields, reason):
     with ShardWriter(str(tmp_path), "s") as w:
@@ -136,3 +138,22 @@ def test_loader_reports_last_epoch_counts(tmp_path, dh):
     list(loader)
     assert loader.last_epoch_stats["samples_out"] == 10          # per epoch, not cumulative
     assert os.path.exists(path)
+
+
+def test_truncated_sample_counted_once_when_the_epoch_rereads(tmp_path, dh):
+    """Training epochs re-read a worker's range to fill the batch quota: the shard is cut off again, but its
+    problem and its cut-off sample were counted on the first read."""
+    with ShardWriter(str(tmp_path), "s", maxcount=6) as w:
+        for i in range(12):
+            w.write(f"{i:04d}", good(i, dh))
+    path = str(tmp_path / "s-000001.tar")
+    name, header, data = _member_offsets(path)[-1]
+    ds = ImageTextDataset(str(tmp_path / "s-{000000..000001}.tar"), 4, tokenizer=id_tokenizer, image_size=8,
+                          train=True, rank=0, world_size=1)
+    ds.shard_counts()  # counted whole: the epoch asks for 12 samples
+    with open(path, "r+b") as f:
+        f.truncate(data + 10)
+    for num_workers in (0, 2):
+        assert sum(1 for _ in ShardLoader(ds, num_workers=num_workers)) == 3
+        counts = ds.stats.snapshot()
+        assert counts["skip_truncated"] == 1 and counts["shards_truncated"] == 1 and counts["samples_reread"], counts

@@ -145,3 +145,18 @@ def test_logger_false_runs_without_the_lr_monitor(tmp_path, caplog, image_text_d
     assert cli.trainer.global_step == 2 and not cli.trainer.loggers
     assert caplog.text.count("trainer.logger is false: skipping LearningRateMonitor (needs a logger)") == 1
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+
+
+# ------------------------------------------------------------------------------------ top-k after a kill
+def test_keep_one_removes_the_checkpoint_a_killed_save_left(tmp_path, image_text_data):
+    """A kill between writing ``step=4`` and removing ``step=2`` leaves both; the resumed run keeps one."""
+    cfg = clip_config(str(tmp_path / "run"), image_text_data, max_steps=4, model_name=None, limit_val_batches=0)
+    cfg["checkpoint"] = {"every_n_train_steps": 2}
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    run_cli(["fit", "--config", path])
+    ck = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    shutil.copy(ck / "epoch=0-step=4.ckpt", ck / "epoch=0-step=2.ckpt")
+    os.utime(ck / "epoch=0-step=2.ckpt", (1000, 1000))  # older than the one Lightning remembers
+    run_cli(["fit", "--config", path, "--ckpt_path", "last", "--trainer.max_steps", "6"])
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=6.ckpt", "last.ckpt"]

@@ -50,8 +50,46 @@ def _loader_at(spec: str, num_workers: int, epoch: int) -> ResumableLoader:
     return loader
 
 
-def test_epoch_comes_from_the_trainer_callback(shards):
+def test_position_comes_from_the_training_progress(shards):
+    """With ``progress`` (TrainingProgress.position) the loader starts where training stands, whatever state
+    Lightning hands it."""
     loader = _loader(shards, 0)
-    loader.default_epoch = lambda: 7
+    loader.progress = lambda: {"epoch": 7, "batches": 4}
+    loader.load_state_dict({"epoch": 2, "batches": 1})  # an older position: the progress record wins
     a = _epoch(loader)
-    assert loader.epoch == 7 and _same(a, _epoch(_loader_at(shards, 0, 7)))
+    assert loader.epoch == 7 and _same(a, _epoch(_loader_at(shards, 0, 7))[4:])
+    assert loader.state_dict() == {"epoch": 7, "batches": 4}
+
+
+def _keyed(spec: str, rank: int, world: int, num_workers: int) -> ResumableLoader:
+    ds = ImageTextDataset(spec, 4, transform=image_transform(12, train=True), context_length=8, train=True,
+                          shuffle_buffer=8, seed=3, rank=rank, world_size=world)
+    ds.with_keys = True
+    return ResumableLoader(ShardLoader(ds, num_workers=num_workers), seed=3, rank=rank)
+
+
+@pytest.mark.parametrize("world,now,done,workers", [(2, 1, 2, 0), (1, 2, 5, 0), (2, 3, 1, 0), (1, 1, 3, 2)])
+def test_resume_on_another_world_size_trains_each_sample_once(shards, world, now, done, workers):
+    """An epoch interrupted after ``done`` batches per rank on ``world`` ranks (no workers) and finished on ``now``
+    ranks (``workers`` workers): every sample of the epoch once, fewer than one global batch left out."""
+    first = []
+    for rank in range(world):
+        loader = _keyed(shards, rank, world, 0)
+        loader.progress = lambda: {"epoch": 1, "batches": 0}
+        it = iter(loader)
+        for _ in range(done):
+            next(it)
+        first += loader.keys
+    per_epoch = len(_keyed(shards, 0, world, 0))
+    saved = {"world_size": world, "batches": done, "epoch_batches": per_epoch, "num_workers": 0}
+    rest = []
+    for rank in range(now):
+        loader = _keyed(shards, rank, now, workers)
+        loader.progress = lambda: {"epoch": 1, "batches": 0, "reshard": saved}
+        n = sum(1 for _ in loader)
+        assert n == (per_epoch - done) * world // now  # the same count on every rank
+        rest += loader.keys
+    seen = first + rest
+    print(f"{world} -> {now} ranks after {done} batches: {len(seen)} of 48 samples, {len(seen) - len(set(seen))} "
+          f"repeated, {48 - len(set(seen))} left out")
+    assert len(seen) == len(set(seen)) and 48 - len(seen) < 4 * max(world, now)

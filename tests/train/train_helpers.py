@@ -52,8 +52,9 @@ class TinyCLIP(nn.Module):
     """Stand-in CLIP (test-only). ``vocab_size`` defaults to the CLIP BPE's 49408."""
 
     def __init__(self, image_size: int = 16, patch: int = 8, width: int = 16, heads: int = 2, embed_dim: int = 16,
-                 vocab_size: int = 49408, context_length: int = 16) -> None:
+                 vocab_size: int = 49408, context_length: int = 16, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = nn.Dropout(dropout)  # uses the global RNG in training: resume must restore it
         self.visual = _Visual(image_size, patch, width, heads, embed_dim)
         self.context_length = context_length
         self.token_embedding = nn.Embedding(vocab_size, width)
@@ -63,7 +64,7 @@ class TinyCLIP(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
-        f = self.visual(image)
+        f = self.dropout(self.visual(image))
         return F.normalize(f, dim=-1) if normalize else f
 
     def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
@@ -202,3 +203,18 @@ class ParamTrace(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+class BatchTrace(pl.Callback):
+    """Test-only: global step -> a copy of the batch trained at that step (``out``: also saved per rank,
+    ``out.rank<R>.pt``, at the end of training)."""
+
+    def __init__(self, out: str | None = None) -> None:
+        self.out, self.batches = out, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches[trainer.global_step] = [t.detach().clone() for t in batch]
+
+    def on_train_end(self, trainer, pl_module):
+        if self.out:
+            torch.save(self.batches, f"{self.out}.rank{trainer.global_rank}.pt")
