@@ -30,8 +30,9 @@ Parts, in this order (``--parts 1,3`` or ``--parts correctness,diff_v2`` selects
 
 Each part gets a share of ``--budget-s`` (default 480 s; time a part does not use passes on); a part out of time
 skips its remaining cases and says so, and once the budget is gone the remaining parts are recorded as skipped.
-One failing case or part is recorded and the rest continue. The JSON and the markdown summary are rewritten
-after every case, so a run cut off by ``timeout`` still leaves what it measured.
+After each part the JSON's ``kernels`` records each autotuner's pick per key and every binary compiled (tile,
+warps, stages, shared memory, the device's ``n_regs`` / ``n_spills``). One failing case or part is recorded and
+the rest continue. The JSON and the markdown are rewritten after every case, so a run cut off still leaves them.
 
 Needs torch and triton, and imports only ``diffmm.ops``, ``diffmm.nn`` and the model classes (never open_clip,
 webdataset, jsonargparse or Lightning, which the device machine does not have). Exit code: 0 all checks passed;
