@@ -1081,7 +1081,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"# part {p}: skipped (global budget used up)", flush=True)
         elif not run_part(ctx, rec.part(p), p):
             crashed.append(p)
-        rec.result["kernels"] = triton_targets.process_report()  # tiles picked, n_regs / n_spills of each binary
+        try:  # tiles picked, n_regs / n_spills of each binary
+            rec.result["kernels"] = triton_targets.process_report()
+        except Exception as e:  # noqa: BLE001  (Triton internals of another version: record, go on)
+            rec.result["kernels"] = {"error": err_line(e)}
         rec.save()
 
     meta["optional_modules_imported"] = [m for m in OPTIONAL if m in sys.modules]

@@ -23,7 +23,7 @@ MAX_THREAD_REGS = 255  # what ptxas may give one thread; a tile's warps must fit
 # AUTOTUNE=0 choice where it fits. Larger tiles spill at 255 registers (fp32 accumulators of 2 maps, 2d wide).
 TILES = {
     "fwd": {64: [(64, 64, 8, 2), (64, 32, 8, 2)],
-            128: [(32, 32, 8, 2)]},
+            128: [(32, 32, 8, 2), (32, 64, 8, 1)]},
     "bwd_dkdv": {64: [(64, 32, 8, 2), (32, 32, 8, 2)],
                  128: [(32, 32, 8, 2)]},
     "bwd_dq": {64: [(64, 32, 8, 2), (32, 64, 8, 2)],
