@@ -30,8 +30,9 @@ Parts, in this order (``--parts 1,3`` or ``--parts correctness,diff_v2`` selects
 
 Each part gets a share of ``--budget-s`` (default 480 s; time a part does not use passes on); a part out of time
 skips its remaining cases and says so, and once the budget is gone the remaining parts are recorded as skipped.
-One failing case or part is recorded and the rest continue. The JSON and the markdown summary are rewritten
-after every case, so a run cut off by ``timeout`` still leaves what it measured.
+After each part the JSON's ``kernels`` records each autotuner's pick per key and every binary compiled (tile,
+warps, stages, shared memory, the device's ``n_regs`` / ``n_spills``). One failing case or part is recorded and
+the rest continue. The JSON and the markdown are rewritten after every case, so a run cut off still leaves them.
 
 Needs torch and triton, and imports only ``diffmm.ops``, ``diffmm.nn`` and the model classes (never open_clip,
 webdataset, jsonargparse or Lightning, which the device machine does not have). Exit code: 0 all checks passed;
@@ -71,7 +72,8 @@ from diffmm.models.clip.config import CLIPConfig, load_config_file  # noqa: E402
 from diffmm.models.clip.model import DiffCLIP  # noqa: E402
 from diffmm.models.lm import DiffLM, LMConfig  # noqa: E402
 from diffmm.nn import KVCache, create_attention  # noqa: E402
-from diffmm.ops import AttentionCall, flash, get_backend, select_backend, triton_diff_bwd, triton_diff_fwd  # noqa: E402
+from diffmm.ops import AttentionCall, flash, get_backend, select_backend, triton_diff_fwd, triton_targets  # noqa: E402
+from diffmm.ops import triton_tiles  # noqa: E402
 from diffmm.ops.epilogue import diff_epilogue  # noqa: E402
 from diffmm.ops.sdpa import LAYOUTS, diff_attention_sdpa  # noqa: E402
 from diffmm.ops.triton_diff import HEAD_DIMS  # noqa: E402
@@ -377,6 +379,13 @@ class Recorder:
             lines += [f"- autotune {k}: " + "; ".join(f"{a} -> {b}" for a, b in v.items())
                       for k, v in part.get("autotune", {}).items()]
             lines += [f"- skipped {s['what']}: {s['reason']}" for s in part.get("skipped", [])]
+        cols = ("kernel", "D", "CAUSAL", "PREC", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "shared", "n_regs",
+                "n_spills")
+        bins = self.result.get("kernels", {}).get("binaries")
+        if bins:
+            lines += ["", "## Compiled kernels: registers and spills the device reports", "",
+                      "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(str(b.get(c, "")) for c in cols) + " |" for b in bins]
         return lines
 
 
@@ -479,17 +488,14 @@ def correctness_case(ctx: Ctx, item: tuple, row: dict) -> None:
 def autotuning(enabled: bool):
     """Switch the fused kernel's autotuning on or off (first fitting tile) inside the block.
 
-    The tile pruning reads the modules' ``AUTOTUNE`` flag at call time; a tuned choice is cached per autotune key
+    The tile pruning reads ``triton_tiles.AUTOTUNE`` at call time; a tuned choice is cached per autotune key
     (sequence lengths included), so the switch only affects shapes not seen before.
     """
-    saved = [(m, m.AUTOTUNE) for m in (triton_diff_fwd, triton_diff_bwd)]
-    for m, _ in saved:
-        m.AUTOTUNE = enabled
+    saved, triton_tiles.AUTOTUNE = triton_tiles.AUTOTUNE, enabled
     try:
         yield
     finally:
-        for m, value in saved:
-            m.AUTOTUNE = value
+        triton_tiles.AUTOTUNE = saved
 
 
 def run_correctness(ctx: Ctx, part: dict) -> None:
@@ -607,14 +613,6 @@ def speed_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def autotune_choices() -> dict:
-    """The tiles the autotuner picked, per kernel and key (empty under the interpreter)."""
-    kernels = {"fwd": triton_diff_fwd._fwd_kernel, "bwd_dkdv": triton_diff_bwd._dkdv_kernel,
-               "bwd_dq": triton_diff_bwd._dq_kernel}
-    return {name: {str(k): str(v) for k, v in kern.cache.items()} for name, kern in kernels.items()
-            if hasattr(kern, "configs") and isinstance(getattr(kern, "cache", None), dict)}
-
-
 def run_speed(ctx: Ctx, part: dict) -> None:
     cfg = SPEED_DRY if ctx.dry else SPEED_GPU
     part.update(width=cfg["width"], tokens=cfg["tokens"], dtype=DTYPE_NAMES[cfg["dtype"]])
@@ -635,7 +633,8 @@ def run_speed(ctx: Ctx, part: dict) -> None:
 
     def run_one(item, row):
         speed_case(ctx, item, row, cfg)
-        part["summary"], part["autotune"] = speed_summary(part["rows"] + [row]), autotune_choices()
+        part["summary"] = speed_summary(part["rows"] + [row])
+        part["autotune"] = triton_targets.process_report()["autotune"]
 
     with autotuning(True):
         run_cases(ctx, part, "2/speed", todo, describe, run_one)
@@ -1082,6 +1081,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"# part {p}: skipped (global budget used up)", flush=True)
         elif not run_part(ctx, rec.part(p), p):
             crashed.append(p)
+        try:  # tiles picked, n_regs / n_spills of each binary
+            rec.result["kernels"] = triton_targets.process_report()
+        except Exception as e:  # noqa: BLE001  (Triton internals of another version: record, go on)
+            rec.result["kernels"] = {"error": err_line(e)}
         rec.save()
 
     meta["optional_modules_imported"] = [m for m in OPTIONAL if m in sys.modules]

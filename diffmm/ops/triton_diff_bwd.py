@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from diffmm.ops.triton_diff_fwd import (AUTOTUNE, INTERP_BLOCK_M, INTERP_BLOCK_N, INTERPRET, LOG2E, _kv_range,
+from diffmm.ops import triton_tiles
+from diffmm.ops.triton_diff_fwd import (INTERP_BLOCK_M, INTERP_BLOCK_N, INTERPRET, LOG2E, Launch, _kv_range,
                                         dot_precision, length_bucket)
 
 
@@ -235,37 +236,16 @@ def _bwd_dq_kernel(Q, K, V, G, LSE1, LSE2, DL1, DL2, LAM, KMASK, DQ,
     tl.store(DQ + qb + sqh + qt, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _prune_bwd(acc_per_row):
-    def prune(configs, named_args, **kwargs):
-        D = kwargs.get("D", named_args.get("D"))
-        keep = [c for c in configs if acc_per_row(c, D) // (32 * c.num_warps) <= 128] or configs[:1]
-        return keep if AUTOTUNE else keep[:1]
-    return prune
-
-
-_BWD_TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)]
-_BWD_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in _BWD_TILES]
 if INTERPRET:
     _dkdv_kernel, _dq_kernel = _bwd_dkdv_kernel, _bwd_dq_kernel
 else:
     _key = ["N_BKT", "S_BKT", "D", "CAUSAL", "HAS_PAD", "PREC"]  # lengths bucketed (length_bucket)
-    # dK/dV keep (BLOCK_N, 4D) fp32 accumulators; dQ keeps (BLOCK_M, 2D) plus a (BLOCK_M, 2D) G tile.
-    _dkdv_kernel = triton.autotune(_BWD_CONFIGS, key=_key, prune_configs_by={
-        "early_config_prune": _prune_bwd(lambda c, D: c.kwargs["BLOCK_N"] * 4 * D)})(_bwd_dkdv_kernel)
-    _dq_kernel = triton.autotune(_BWD_CONFIGS, key=_key, prune_configs_by={
-        "early_config_prune": _prune_bwd(lambda c, D: c.kwargs["BLOCK_M"] * 4 * D)})(_bwd_dq_kernel)
+    _dkdv_kernel = triton_tiles.autotune("bwd_dkdv", _bwd_dkdv_kernel, _key)
+    _dq_kernel = triton_tiles.autotune("bwd_dq", _bwd_dq_kernel, _key)
 
 
-def diff_attn_bwd(dy, q, k, v, lam, w, key_mask, o1, o2, lse1, lse2, rstd, causal: bool, norm: bool):
-    """Launch the three backward kernels.
-
-    Args:
-        dy: (B, N, h, 2d) gradient of the output; other tensors as saved by ``diff_attn_fwd``.
-
-    Returns:
-        dq (B, N, 2h, d), dk (B, S, 2h_kv, d), dv (B, S, h_kv, 2d) in the input dtype;
-        dlam () fp32; dw (2d,) fp32 gradient of the effective norm weight (zeros when ``norm`` is False).
-    """
+def bwd_launches(dy, q, k, v, lam, w, key_mask, o1, o2, lse1, lse2, rstd, causal: bool, norm: bool):
+    """``(dq, dk, dv, dl2, dw_part)`` (empty) and the three launches that fill them (see :func:`diff_attn_bwd`)."""
     B, N, H2, d = q.shape
     S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
     dev = q.device
@@ -278,29 +258,43 @@ def diff_attn_bwd(dy, q, k, v, lam, w, key_mask, o1, o2, lse1, lse2, rstd, causa
     dl1 = torch.empty(B, h, N, device=dev, dtype=torch.float32)
     dl2 = torch.empty_like(dl1)
     dw_part = torch.zeros(B * h * n_pre if norm else 1, 2 * d, device=dev, dtype=torch.float32)
+    outs = (dq, dk, dv, dl2, dw_part)
     if N == 0 or S == 0 or B == 0 or h == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), lam.new_zeros(()), dw_part.sum(0)
+        return outs, []
     w_arg = w if w is not None else lam
     km = key_mask if key_mask is not None else lam
     smb = key_mask.stride(0) if key_mask is not None else 0
-    _bwd_pre_kernel[(n_pre, h, B)](dy, o1, o2, rstd, lam, w_arg, g, dl1, dl2, dw_part,
-                                   dy.stride(0), dy.stride(1), dy.stride(2), N, h,
-                                   D=d, NORM=bool(norm), BLOCK_M=pre_block, **({} if INTERPRET else {"num_warps": 8}))
+    pre = Launch(_bwd_pre_kernel, (n_pre, h, B), (dy, o1, o2, rstd, lam, w_arg, g, dl1, dl2, dw_part,
+                                                  dy.stride(0), dy.stride(1), dy.stride(2), N, h),
+                 dict(D=d, NORM=bool(norm), BLOCK_M=pre_block, **({} if INTERPRET else {"num_warps": 8})))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), smb, N, S, h, h // h_kv, d ** -0.5 * LOG2E, d ** -0.5,
               length_bucket(N), length_bucket(S))
     flags = dict(D=d, CAUSAL=bool(causal), HAS_PAD=key_mask is not None, PREC=dot_precision(q.dtype))
+    dkdv_args = (q, k, v, g, lse1, lse2, dl1, dl2, lam, km, dk, dv, *common)
+    dq_args = (q, k, v, g, lse1, lse2, dl1, dl2, lam, km, dq, *common)
     if INTERPRET:
-        blk = dict(BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N)
-        _dkdv_kernel[(triton.cdiv(S, INTERP_BLOCK_N), h_kv, B)](q, k, v, g, lse1, lse2, dl1, dl2, lam, km, dk, dv,
-                                                                 *common, **flags, **blk)
-        _dq_kernel[(triton.cdiv(N, INTERP_BLOCK_M), h, B)](q, k, v, g, lse1, lse2, dl1, dl2, lam, km, dq,
-                                                            *common, **flags, **blk)
-    else:
-        _dkdv_kernel[lambda META: (triton.cdiv(S, META["BLOCK_N"]), h_kv, B)](
-            q, k, v, g, lse1, lse2, dl1, dl2, lam, km, dk, dv, *common, **flags)
-        _dq_kernel[lambda META: (triton.cdiv(N, META["BLOCK_M"]), h, B)](
-            q, k, v, g, lse1, lse2, dl1, dl2, lam, km, dq, *common, **flags)
-    dlam = -dl2.sum()
-    return dq, dk, dv, dlam, dw_part.sum(0)
+        flags.update(BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N)
+        return outs, [pre, Launch(_dkdv_kernel, (triton.cdiv(S, INTERP_BLOCK_N), h_kv, B), dkdv_args, flags),
+                      Launch(_dq_kernel, (triton.cdiv(N, INTERP_BLOCK_M), h, B), dq_args, flags)]
+    return outs, [pre, Launch(_dkdv_kernel, lambda META: (triton.cdiv(S, META["BLOCK_N"]), h_kv, B), dkdv_args, flags),
+                  Launch(_dq_kernel, lambda META: (triton.cdiv(N, META["BLOCK_M"]), h, B), dq_args, flags)]
 
+
+def diff_attn_bwd(dy, q, k, v, lam, w, key_mask, o1, o2, lse1, lse2, rstd, causal: bool, norm: bool):
+    """Launch the three backward kernels.
+
+    Args:
+        dy: (B, N, h, 2d) gradient of the output; other tensors as saved by ``diff_attn_fwd``.
+
+    Returns:
+        dq, dk, dv in the input dtype; dlam () fp32; dw (2d,) fp32 gradient of the effective norm weight
+        (zeros when ``norm`` is False).
+    """
+    (dq, dk, dv, dl2, dw_part), launches = bwd_launches(dy, q, k, v, lam, w, key_mask, o1, o2, lse1, lse2, rstd,
+                                                        causal, norm)
+    if not launches:
+        return dq.zero_(), dk.zero_(), dv.zero_(), lam.new_zeros(()), dw_part.sum(0)
+    for launch in launches:
+        launch()
+    return dq, dk, dv, -dl2.sum(), dw_part.sum(0)

@@ -16,14 +16,15 @@ is imported (``triton.jit`` reads ``TRITON_INTERPRET`` at decoration time); ``IN
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from diffmm.ops import triton_tiles
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-# DIFFMM_TRITON_AUTOTUNE=0: skip tuning, use the first tile that fits (faster start-up, e.g. in CI).
-AUTOTUNE = os.environ.get("DIFFMM_TRITON_AUTOTUNE", "1") != "0"
 # One fixed tile under the interpreter (small, so odd N crosses several blocks in tests).
 INTERP_BLOCK_M = 16
 INTERP_BLOCK_N = 16
@@ -163,22 +164,11 @@ def _diff_fwd_kernel(Q, K, V, LAM, W, KMASK, Y, O1, O2, LSE1, LSE2, RSTD,
     tl.store(RSTD + bh * N + offs_m, rstd, mask=row_ok)
 
 
-def _prune_fwd(configs, named_args, **kwargs):
-    """Drop tiles whose two (BLOCK_M, 2D) fp32 accumulators would not fit in registers."""
-    D = kwargs.get("D", named_args.get("D"))
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] * 4 * D // (32 * c.num_warps) <= 128] or configs[:1]
-    return keep if AUTOTUNE else keep[:1]
-
-
-_FWD_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [(64, 64, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 8, 3)]
-]
 if INTERPRET:
     _fwd_kernel = _diff_fwd_kernel
 else:
-    _fwd_kernel = triton.autotune(_FWD_CONFIGS, key=["N_BKT", "S_BKT", "D", "CAUSAL", "HAS_PAD", "NORM", "PREC"],
-                                  prune_configs_by={"early_config_prune": _prune_fwd})(_diff_fwd_kernel)
+    _fwd_kernel = triton_tiles.autotune("fwd", _diff_fwd_kernel,
+                                        key=["N_BKT", "S_BKT", "D", "CAUSAL", "HAS_PAD", "NORM", "PREC"])
 
 
 def length_bucket(n: int) -> int:
@@ -192,15 +182,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def diff_attn_fwd(q, k, v, lam, w, key_mask, causal: bool, norm: bool, eps: float):
-    """Launch the forward kernel.
+class Launch(NamedTuple):
+    """One kernel launch: ``kernel[grid](*args, **kwargs)``; ``grid`` may be a function of the chosen config."""
 
-    Args:
-        q: (B, N, 2h, d), k: (B, S, 2h_kv, d), v: (B, S, h_kv, 2d); unit stride on the last dim.
-        lam: 0-d fp32 tensor. w: (2d,) fp32 effective norm weight, or None. key_mask: (B, S) uint8 or None.
+    kernel: object
+    grid: object
+    args: tuple
+    kwargs: dict
 
-    Returns:
-        y (B, N, h, 2d) in q's dtype; o1, o2 (B, h, N, 2d) fp32; lse1, lse2, rstd (B, h, N) fp32.
+    def __call__(self):
+        return self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def fwd_launches(q, k, v, lam, w, key_mask, causal: bool, norm: bool, eps: float):
+    """Outputs (empty) and the launch that fills them; see :func:`diff_attn_fwd` for shapes.
+
+    Split from the launch so that :mod:`diffmm.ops.triton_targets` compiles exactly what a call would run.
     """
     B, N, H2, d = q.shape
     S, h, h_kv = k.shape[1], H2 // 2, k.shape[2] // 2
@@ -210,8 +207,9 @@ def diff_attn_fwd(q, k, v, lam, w, key_mask, causal: bool, norm: bool, eps: floa
     o2 = torch.empty_like(o1)
     lse1 = torch.empty(B, h, N, device=dev, dtype=torch.float32)
     lse2, rstd = torch.empty_like(lse1), torch.empty_like(lse1)
+    outs = (y, o1, o2, lse1, lse2, rstd)
     if N == 0 or B == 0 or h == 0:
-        return y, o1, o2, lse1, lse2, rstd
+        return outs, []
     w_arg = w if w is not None else lam  # never read when NORM is False
     km = key_mask if key_mask is not None else lam
     smb = key_mask.stride(0) if key_mask is not None else 0
@@ -222,9 +220,22 @@ def diff_attn_fwd(q, k, v, lam, w, key_mask, causal: bool, norm: bool, eps: floa
     flags = dict(D=d, CAUSAL=bool(causal), HAS_PAD=key_mask is not None, NORM=bool(norm),
                  PREC=dot_precision(q.dtype))
     if INTERPRET:
-        _fwd_kernel[(triton.cdiv(N, INTERP_BLOCK_M), h, B)](
-            *args, **flags, BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N)
-    else:
-        _fwd_kernel[lambda META: (triton.cdiv(N, META["BLOCK_M"]), h, B)](*args, **flags)
-    return y, o1, o2, lse1, lse2, rstd
+        return outs, [Launch(_fwd_kernel, (triton.cdiv(N, INTERP_BLOCK_M), h, B), args,
+                             dict(flags, BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N))]
+    return outs, [Launch(_fwd_kernel, lambda META: (triton.cdiv(N, META["BLOCK_M"]), h, B), args, flags)]
 
+
+def diff_attn_fwd(q, k, v, lam, w, key_mask, causal: bool, norm: bool, eps: float):
+    """Launch the forward kernel.
+
+    Args:
+        q: (B, N, 2h, d), k: (B, S, 2h_kv, d), v: (B, S, h_kv, 2d); unit stride on the last dim.
+        lam: 0-d fp32 tensor. w: (2d,) fp32 effective norm weight, or None. key_mask: (B, S) uint8 or None.
+
+    Returns:
+        y (B, N, h, 2d) in q's dtype; o1, o2 (B, h, N, 2d) fp32; lse1, lse2, rstd (B, h, N) fp32.
+    """
+    outs, launches = fwd_launches(q, k, v, lam, w, key_mask, causal, norm, eps)
+    for launch in launches:
+        launch()
+    return outs

@@ -124,6 +124,19 @@ def test_dry_run_runs_every_part(tmp_path):
     for title in gpu_check.TITLES.values():
         assert title in md
     assert "Correctness failures: 0" in md and "| triton | fp32 |" in md
+    assert result["kernels"] == {"autotune": {}, "binaries": []}  # interpreted: nothing compiled
+
+
+def test_compiled_kernels_render_with_registers_and_spills(tmp_path):
+    """The ``kernels`` record (tile, warps, stages, shared memory, device n_regs / n_spills) becomes a table."""
+    meta = {"device_name": "H200", "date": "d", "torch": "t", "triton": "3.6", "flash_attn": None, "dry_run": False,
+            "budget_s": 1, "command": "c", "t0": 0}
+    rec = gpu_check.Recorder(tmp_path / "r.json", tmp_path / "r.md", meta)
+    rec.result["kernels"] = {"autotune": {"fwd": {"(1024,)": "BLOCK_M: 32"}}, "binaries": [
+        {"kernel": "bwd_dq", "D": 128, "CAUSAL": True, "PREC": "tf32", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8,
+         "num_stages": 2, "shared": 102400, "n_regs": 162, "n_spills": 0}]}
+    md = "\n".join(rec.markdown())
+    assert "| bwd_dq | 128 | True | tf32 | 32 | 64 | 8 | 2 | 102400 | 162 | 0 |" in md
 
 
 def test_wrong_kernel_fails_with_exit_code_1(tmp_path):
