@@ -33,7 +33,7 @@ from diffmm.demo.report import write_report
 from diffmm.eval.plots import plot_loss_curves, read_metrics_csv
 from diffmm.hub.factory import load_pretrained
 from diffmm.train.cli import run_cli
-from diffmm.train.clip_module import clear_image_caches
+from diffmm.train import clear_image_caches
 from diffmm.train.monitor import lambda_layers, lambda_values
 
 PARTS = ("lit", "dinov2", "clip", "lm", "recall")

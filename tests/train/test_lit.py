@@ -1,4 +1,4 @@
-"""LiT in CLIPModule (arXiv 2111.07991): locked towers (frozen, eval mode; projections train), partial unlocking,
+"""LiT in LiTModule (arXiv 2111.07991): locked towers (frozen, eval mode; projections train), partial unlocking,
 cached text features, the text encoder's own lr, and a locked + cached ``diffmm fit`` that resumes and reloads.
 The text tower is a tiny random BERT folder (tests/hf_helpers.py)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import diffmm
 from diffmm.models.clip.preprocess import tokenizer_for
-from diffmm.train import CLIPModule
+from diffmm.train import LiTModule
 from diffmm.train.cli import run_cli
 from hf_helpers import write_tiny_bert
 from train_configs import clip_config, write_yaml
@@ -40,16 +40,16 @@ def model_json(tmp_path_factory):
     return {k: str(v) for k, v in paths.items()}
 
 
-def module(model_json, attn: str = "standard", seed: int = 0, **kw) -> CLIPModule:
+def module(model_json, attn: str = "standard", seed: int = 0, **kw) -> LiTModule:
     torch.manual_seed(seed)
-    return CLIPModule(model_name=model_json[attn], **kw)
+    return LiTModule(model_name=model_json[attn], **kw)
 
 
-def trainable(m: CLIPModule) -> set[str]:
+def trainable(m: LiTModule) -> set[str]:
     return {n for n, p in m.model.named_parameters() if p.requires_grad}
 
 
-def batch(m: CLIPModule, captions=CAPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(m: LiTModule, captions=CAPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(len(captions))
     return torch.randn(len(captions), 3, 16, 16, generator=g), tokenizer_for(m.model)(captions)
 
@@ -213,6 +213,7 @@ def test_fit_locked_cached_resume_and_load(tmp_path, image_text_data, model_json
     root = str(tmp_path / "run")
     config = clip_config(root, image_text_data, max_steps=4, model_name=model_json["standard"],
                          callbacks=[{"class_path": "train_helpers.ParamTrace"}])
+    config["model"]["class_path"] = "diffmm.train.LiTModule"
     args = config["model"]["init_args"]
     del args["model_kwargs"]
     args.update(lock_text=True, cache_text_features=True)
