@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from PIL import Image
 
@@ -106,14 +106,44 @@ def decode_text(sample: dict, field: str, stats: DataStats, where: str) -> Optio
         return None
 
 
-def parse_label(sample: dict, field: str) -> int:
-    """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``.
+def label_key(name: str) -> str:
+    """A class name as labels match it when no name is equal: case, ``_`` and surrounding spaces ignored."""
+    return " ".join(name.replace("_", " ").lower().split())
+
+
+#: ``(name -> index, label_key(name) -> index)`` of class names (:func:`class_index`)
+ClassIndex = tuple[dict[str, int], dict[str, int]]
+
+
+def class_index(classnames: Sequence[str]) -> ClassIndex:
+    """The class names as labels name them: each name as given, and its :func:`label_key` where no other name
+    has the same key."""
+    loose: dict[str, list[int]] = {}
+    for i, name in enumerate(classnames):
+        loose.setdefault(label_key(name), []).append(i)
+    return {name: i for i, name in enumerate(classnames)}, {k: v[0] for k, v in loose.items() if len(v) == 1}
+
+
+def parse_label(sample: dict, field: str, names: Optional[ClassIndex] = None) -> int:
+    """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``. A label that
+    is not an integer is a class name, looked up in ``names`` (:func:`class_index`), as ImageFolder and
+    CLIP_benchmark label by name.
 
     Raises:
-        KeyError, ValueError, UnicodeDecodeError: the field is missing or not an integer.
+        KeyError, ValueError, UnicodeDecodeError: the field is missing, or neither an integer nor a class name.
     """
     if field.startswith("json:"):
         meta = sample["json"]
-        return int((meta if isinstance(meta, dict) else json.loads(meta))[field[len("json:"):]])
-    value = sample[field]
-    return int(value.decode("utf-8").strip() if isinstance(value, (bytes, bytearray)) else value)
+        value = (meta if isinstance(meta, dict) else json.loads(meta))[field[len("json:"):]]
+    else:
+        value = sample[field]
+        value = value.decode("utf-8").strip() if isinstance(value, (bytes, bytearray)) else value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        if names is None:
+            raise ValueError(f"{value!r} is not an integer label; give the class names to label by name") from None
+    exact, loose = names
+    if isinstance(value, str) and (value in exact or label_key(value) in loose):
+        return exact[value] if value in exact else loose[label_key(value)]
+    raise ValueError(f"{value!r} is neither an integer label nor one of the {len(exact)} class names")

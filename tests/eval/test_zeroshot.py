@@ -223,3 +223,46 @@ def test_autocast_path_and_pretrained_loading(tmp_path):
 
     x = preprocess(Image.new("RGB", (40, 30), (200, 30, 30)))
     assert x.shape == (3, 64, 64)
+
+
+# ------------------------------------------------------------------------------------------- labels by name
+def test_labels_by_class_name(data, tmp_path):
+    """Shards whose labels are class names (``json:NAME`` or ``.cls``) score as those with class indices."""
+    root, labels, rankings = data
+    for field, in_json in (("json:label", True), ("cls", False)):
+        path = write_label_shard(str(tmp_path / f"names-{in_json}.tar"), [NAMES[y] for y in labels], rankings,
+                                 label_in_json=in_json)
+        source = open_image_source(path, to_tensor_rgb, classnames=NAMES, label_field=field, batch_size=16,
+                                   num_workers=0)
+        res = zero_shot(KeyCLIP(C, 1), KeyTokenizer(["photo"]), source, NAMES, ["a photo of {}."],
+                        show_progress=False)
+        assert res.n == 100 and res.skipped == {}, field
+        np.testing.assert_array_equal(res.confusion, expected(labels, rankings))
+
+
+def test_parse_label_by_name():
+    from diffmm.data.decode import class_index, parse_label
+
+    names = class_index(["golden retriever", "cat", "Cat"])
+    for value, want in (("golden_retriever", 0), ("Golden Retriever", 0), ("cat", 1), ("Cat", 2), (2, 2), ("1", 1)):
+        assert parse_label({"json": {"c": value}}, "json:c", names) == want, value
+    with pytest.raises(ValueError, match="'CAT' is neither an integer label nor one of the 3 class names"):
+        parse_label({"json": {"c": "CAT"}}, "json:c", names)  # cat and Cat: ambiguous when case is ignored
+    with pytest.raises(ValueError, match="'dog' is not an integer label; give the class names"):
+        parse_label({"cls": b"dog\n"}, "cls")
+
+
+def test_an_evaluation_that_scores_nothing_is_an_error(data, tmp_path, capsys):
+    """Labels that name no class skip every sample: ``diffmm eval zeroshot`` says so in one line, exit status 2."""
+    from diffmm.cli import main
+
+    root, labels, rankings = data
+    path = write_label_shard(str(tmp_path / "other.tar"), ["dog"] * 10, rankings[:10], label_in_json=True)
+    source = open_image_source(path, to_tensor_rgb, classnames=NAMES, label_field="json:label", num_workers=0)
+    with pytest.raises(EvalError, match=r"other.tar: no image was scored \(skipped: bad_label 10;"):
+        zero_shot(KeyCLIP(C, 1), KeyTokenizer(["photo"]), source, NAMES, ["a photo of {}."], show_progress=False)
+    (tmp_path / "names.txt").write_text("\n".join(NAMES) + "\n")
+    rc = main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--data", path, "--label_field", "json:label",
+               "--classnames", str(tmp_path / "names.txt"), "--workers", "0", "--progress", "false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("diffmm eval zeroshot: error: zero-shot on ") and "bad_label 10" in err[-1]
