@@ -11,6 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffmm.hub.factory import model_kind
+from diffmm.models.weight_refs import (WEIGHT_REFS_KEY, pretrained_source, restore_weights, tensor_bytes,
+                                       weight_reference)
 from diffmm.train.clip_module import CLIPModule
 
 log = logging.getLogger("diffmm.train")
@@ -41,7 +44,7 @@ def prefix_fingerprint(visual: nn.Module, start: int) -> bytes:
         tensors += [(f"{name}.{k}", t) for k, t in (*module.named_parameters(), *module.named_buffers())]
     for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(t))
     return h.digest()
 
 
@@ -64,6 +67,11 @@ class LiTModule(CLIPModule):
             :data:`SHARED_IMAGE_CACHES`, :func:`clear_image_caches`; an image is its preprocessed pixels, so this
             pays only with a deterministic train transform: ``data.crop_scale: [1.0, 1.0]``).
         image_lr: peak lr of the image tower's encoder (its projection keeps ``lr``).
+        save_locked: save the locked weights in checkpoints. ``False``: a locked tower that the model's config takes
+            from a pretrained source (``text_cfg.hf_model_name``, ``vision_cfg.pretrained``; the model built from
+            ``model_name`` without ``pretrained``, ``swap`` or ``model``) is named in checkpoints by its source and a
+            SHA-256 of its weights (:mod:`diffmm.models.weight_refs`), and only what trained is saved; resuming
+            rebuilds it from the source and checks the hash.
         kwargs: :class:`~diffmm.train.CLIPModule`'s arguments.
     """
 
@@ -71,7 +79,7 @@ class LiTModule(CLIPModule):
                  lock_image: bool = False, lock_image_unlocked: Optional[list[str]] = None,
                  cache_text_features: bool = False, cache_text_max: int = 1_000_000, text_lr: Optional[float] = None,
                  cache_image_features: bool = False, cache_image_max: int = 50_000, image_lr: Optional[float] = None,
-                 **kwargs: Any) -> None:
+                 save_locked: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # saves these arguments with CLIPModule's as hyper-parameters
         model = self.model
         self.locked: dict[str, list[str]] = {}
@@ -93,6 +101,19 @@ class LiTModule(CLIPModule):
             # bound to its shared cache at the first batch, once the weights it depends on are final
             self._image_cache, self._image_start = {}, cached_blocks(model, self.locked["visual"])
             self._image_cache_bound = False
+        #: the locked weights checkpoints name instead of storing: source -> state-dict names of ``self.model``
+        self.referenced: dict[str, list[str]] = {}
+        hp = self.hparams
+        if not save_locked and kwargs.get("model") is None and not hp.pretrained and not hp.swap \
+                and model_kind(hp.model_name) == "config":
+            for tower in self.locked:
+                source, prefixes = pretrained_source(model, tower), tower_prefixes(model, tower)
+                if source:
+                    self.referenced[source] = [n for n, p in model.named_parameters()
+                                               if n.startswith(tuple(prefixes)) and not p.requires_grad]
+        if not save_locked and not self.referenced:
+            log.warning("model.save_locked false: no locked tower of this model comes from a pretrained source "
+                        "named in its config; checkpoints hold every weight")
 
     def train(self, mode: bool = True) -> "LiTModule":
         """Train mode, except the locked towers' encoders (they stay in eval mode)."""
@@ -101,6 +122,24 @@ class LiTModule(CLIPModule):
             for module in tower_modules(self.model, tower):
                 module.eval()
         return self
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """CLIPModule's checkpoint; the locked weights of :attr:`referenced` replaced by their references."""
+        super().on_save_checkpoint(checkpoint)
+        sd, refs = checkpoint["state_dict"], []
+        for source, names in self.referenced.items():
+            keys = ["model." + n for n in names]
+            if all(k in sd for k in keys):  # (a strategy that saves other keys keeps every weight)
+                refs.append(weight_reference({n: sd[k] for n, k in zip(names, keys)}, source))
+                for k in keys:
+                    del sd[k]
+        if refs:
+            checkpoint[WEIGHT_REFS_KEY] = refs
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Put the weights a checkpoint names back from this module's model (built from their sources)."""
+        restore_weights(checkpoint["state_dict"], checkpoint.get(WEIGHT_REFS_KEY), self.model.state_dict(),
+                        prefix="model.")
 
     def param_lrs(self) -> dict[str, float]:
         lrs = {}
@@ -160,8 +199,7 @@ class LiTModule(CLIPModule):
             self._image_cache = SHARED_IMAGE_CACHES.setdefault(prefix_fingerprint(visual, start), {})
             self._image_cache_bound = True
         cache = self._image_cache
-        keys = [hashlib.blake2b(row.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
-                for row in images.detach().cpu().contiguous()]  # bytes of any dtype (bf16 has no numpy type)
+        keys = [hashlib.blake2b(tensor_bytes(row), digest_size=16).digest() for row in images.detach().cpu()]
         new: dict[bytes, int] = {}
         for i, k in enumerate(keys):
             if k not in cache:

@@ -248,3 +248,54 @@ def test_fit_locked_cached_resume_and_load(tmp_path, image_text_data, model_json
     with torch.no_grad():
         torch.testing.assert_close(loaded.encode_text(tokens), trained.encode_text(tokens), **EXACT)
         torch.testing.assert_close(loaded.encode_image(images), trained.encode_image(images), **EXACT)
+
+
+# ------------------------------------------------------------------------------- locked weights by reference
+def test_fit_saves_the_locked_tower_by_reference(tmp_path, image_text_data, model_json):
+    """``save_locked: false``: checkpoints name the locked pretrained text encoder (its folder and a SHA-256 of its
+    weights) and hold what trained; the run resumes from them, and the loader's one call rebuilds the model
+    exactly."""
+    from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
+    from diffmm.models.clip.config import CLIPConfig
+    from diffmm.models.clip.model import DiffCLIP
+    from diffmm.models.weight_refs import WEIGHT_REFS_KEY, restore_weights
+
+    root = str(tmp_path / "run")
+    config = clip_config(root, image_text_data, max_steps=2, model_name=model_json["standard"])
+    config["model"]["class_path"] = "diffmm.train.LiTModule"
+    args = config["model"]["init_args"]
+    del args["model_kwargs"]
+    args.update(lock_text=True, cache_text_features=True, save_locked=False)
+    cfg = write_yaml(tmp_path / "lit.yaml", config)
+    cli = run_cli(["fit", "--config", cfg])
+    ckpt = os.path.join(root, "checkpoints", "last.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    encoder = [n for n, _ in cli.model.model.named_parameters() if n.startswith(ENCODER)]
+    assert encoder and not any(k.startswith("model." + ENCODER) for k in state["state_dict"])
+    [ref] = state[WEIGHT_REFS_KEY]
+    assert ref["keys"] == sorted(encoder) and ref["source"].endswith("tiny-bert") and len(ref["sha256"]) == 64
+    assert "model.text.proj.weight" in state["state_dict"]
+
+    cli = run_cli(["fit", "--config", cfg, "--ckpt_path", "last", "--trainer.max_steps", "3"])
+    assert cli.trainer.global_step == 3
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model = DiffCLIP(CLIPConfig.from_dict(state[MODEL_CONFIG_KEY]))  # what the loader builds from the config
+    sd = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(restore_weights(sd, state[WEIGHT_REFS_KEY], model.state_dict(), where=ckpt), strict=True)
+    images, tokens = batch(cli.model)
+    trained = cli.model.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval().encode_text(tokens), trained.encode_text(tokens), **EXACT)
+        torch.testing.assert_close(model.encode_image(images), trained.encode_image(images), **EXACT)
+    state[WEIGHT_REFS_KEY][0]["sha256"] = "0" * 64  # the source changed since: resuming says so in one line
+    with pytest.raises(ValueError, match="tiny-bert now gives other weights than the checkpoint was saved with"):
+        cli.model.on_load_checkpoint(state)
+
+
+def test_save_locked_false_without_a_pretrained_source(model_json, caplog):
+    """A locked tower with random weights (the image tower here) is saved as it is."""
+    m = module(model_json, lock_image=True, save_locked=False)
+    assert m.referenced == {} and "checkpoints hold every weight" in caplog.text
+    ckpt = {"state_dict": m.state_dict()}
+    m.on_save_checkpoint(ckpt)
+    assert ckpt["state_dict"].keys() == m.state_dict().keys()
