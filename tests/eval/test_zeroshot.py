@@ -9,10 +9,10 @@ import pytest
 import torch
 from eval_helpers import (KeyCLIP, KeyTokenizer, code_image, known_dataset, tiny_open_clip, to_tensor_rgb,
                           write_image_folder, write_label_shard)
+from idx_helpers import write_idx
 
 from diffmm.eval.classnames import get_templates
 from diffmm.eval.common import EvalError
-from diffmm.eval.idx import write_idx
 from diffmm.eval.image_sources import IdxSource, ImageFolderSource, open_image_source
 from diffmm.eval.zeroshot import build_zero_shot_classifier, evaluate_zero_shot, zero_shot
 
