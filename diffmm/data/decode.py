@@ -107,24 +107,19 @@ def decode_text(sample: dict, field: str, stats: DataStats, where: str) -> Optio
 
 
 def label_key(name: str) -> str:
-    """A class name as labels match it when no name is equal: case, ``_`` and surrounding spaces ignored."""
+    """A class name as labels match it: case, ``_`` and runs of spaces ignored."""
     return " ".join(name.replace("_", " ").lower().split())
 
 
-#: ``(name -> index, label_key(name) -> index)`` of class names (:func:`class_index`)
-ClassIndex = tuple[dict[str, int], dict[str, int]]
-
-
-def class_index(classnames: Sequence[str]) -> ClassIndex:
-    """The class names as labels name them: each name as given, and its :func:`label_key` where no other name
-    has the same key."""
-    loose: dict[str, list[int]] = {}
+def class_index(classnames: Sequence[str]) -> dict[str, Optional[int]]:
+    """``label_key(name) -> index`` of class names (None for a key two names share)."""
+    index: dict[str, Optional[int]] = {}
     for i, name in enumerate(classnames):
-        loose.setdefault(label_key(name), []).append(i)
-    return {name: i for i, name in enumerate(classnames)}, {k: v[0] for k, v in loose.items() if len(v) == 1}
+        index[label_key(name)] = None if label_key(name) in index else i
+    return index
 
 
-def parse_label(sample: dict, field: str, names: Optional[ClassIndex] = None) -> int:
+def parse_label(sample: dict, field: str, names: Optional[dict[str, Optional[int]]] = None) -> int:
     """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``. A label that
     is not an integer is a class name, looked up in ``names`` (:func:`class_index`), as ImageFolder and
     CLIP_benchmark label by name.
@@ -143,7 +138,9 @@ def parse_label(sample: dict, field: str, names: Optional[ClassIndex] = None) ->
     except (TypeError, ValueError):
         if names is None:
             raise ValueError(f"{value!r} is not an integer label; give the class names to label by name") from None
-    exact, loose = names
-    if isinstance(value, str) and (value in exact or label_key(value) in loose):
-        return exact[value] if value in exact else loose[label_key(value)]
-    raise ValueError(f"{value!r} is neither an integer label nor one of the {len(exact)} class names")
+    found = names.get(label_key(value), -1) if isinstance(value, str) else -1
+    if found is None or found < 0:
+        which = "exactly one" if found is None else "any"
+        raise ValueError(f"{value!r} is neither an integer label nor {which} of the class names (case, _ and spaces "
+                         f"ignored)")
+    return found

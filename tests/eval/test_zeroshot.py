@@ -243,11 +243,12 @@ def test_labels_by_class_name(data, tmp_path):
 def test_parse_label_by_name():
     from diffmm.data.decode import class_index, parse_label
 
-    names = class_index(["golden retriever", "cat", "Cat"])
-    for value, want in (("golden_retriever", 0), ("Golden Retriever", 0), ("cat", 1), ("Cat", 2), (2, 2), ("1", 1)):
+    names = class_index(["golden retriever", "cat", "Cat", "dog"])
+    for value, want in (("golden_retriever", 0), ("Golden  Retriever", 0), ("DOG", 3), (2, 2), ("1", 1)):
         assert parse_label({"json": {"c": value}}, "json:c", names) == want, value
-    with pytest.raises(ValueError, match="'CAT' is neither an integer label nor one of the 3 class names"):
-        parse_label({"json": {"c": "CAT"}}, "json:c", names)  # cat and Cat: ambiguous when case is ignored
+    for value, which in (("cat", "exactly one"), ("bird", "any")):  # cat and Cat match both when case is ignored
+        with pytest.raises(ValueError, match=f"'{value}' is neither an integer label nor {which} of the class names"):
+            parse_label({"json": {"c": value}}, "json:c", names)
     with pytest.raises(ValueError, match="'dog' is not an integer label; give the class names"):
         parse_label({"cls": b"dog\n"}, "cls")
 
