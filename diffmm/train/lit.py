@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from diffmm.hub.factory import model_kind
 from diffmm.models.weight_refs import (WEIGHT_REFS_KEY, pretrained_source, restore_weights, tensor_bytes,
-                                       weight_reference)
+                                       weight_reference, weights_digest)
 from diffmm.train.clip_module import CLIPModule
 
 log = logging.getLogger("diffmm.train")
@@ -32,20 +32,15 @@ def prefix_fingerprint(visual: nn.Module, start: int) -> bytes:
     """A digest of what the tokens entering block ``start`` of a diffmm image tower depend on: the modules before it
     (their ``repr``: types, sizes, eps), their parameters and buffers (names, shapes, dtypes, bytes), the device
     and the autocast state the tokens are computed under."""
-    h = hashlib.blake2b(digest_size=16)
     device = visual.cls_token.device
     autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
-    h.update(f"{device}|{autocast}".encode())
     parts = [("patch_embed", visual.patch_embed), ("norm_pre", visual.norm_pre),
              *((f"blocks.{i}", b) for i, b in enumerate(visual.blocks[:start]))]
-    tensors = [("cls_token", visual.cls_token), ("pos_embed", visual.pos_embed)]
-    for name, module in parts:
-        h.update(f"{name}={module!r}".encode())
-        tensors += [(f"{name}.{k}", t) for k, t in (*module.named_parameters(), *module.named_buffers())]
-    for name, t in tensors:
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(tensor_bytes(t))
-    return h.digest()
+    tensors = {"cls_token": visual.cls_token, "pos_embed": visual.pos_embed}
+    tensors.update({f"{name}.{k}": t for name, module in parts
+                    for k, t in (*module.named_parameters(), *module.named_buffers())})
+    described = f"{device}|{autocast}|" + "|".join(f"{name}={module!r}" for name, module in parts)
+    return hashlib.blake2b((described + weights_digest(tensors)).encode(), digest_size=16).digest()
 
 
 class LiTModule(CLIPModule):
@@ -107,10 +102,10 @@ class LiTModule(CLIPModule):
         if not save_locked and kwargs.get("model") is None and not hp.pretrained and not hp.swap \
                 and model_kind(hp.model_name) == "config":
             for tower in self.locked:
-                source, prefixes = pretrained_source(model, tower), tower_prefixes(model, tower)
-                if source:
-                    self.referenced[source] = [n for n, p in model.named_parameters()
-                                               if n.startswith(tuple(prefixes)) and not p.requires_grad]
+                source, prefixes = pretrained_source(model, tower), tuple(tower_prefixes(model, tower))
+                names = [n for n, p in model.named_parameters() if n.startswith(prefixes) and not p.requires_grad]
+                if source and names:
+                    self.referenced[source] = names
         if not save_locked and not self.referenced:
             log.warning("model.save_locked false: no locked tower of this model comes from a pretrained source "
                         "named in its config; checkpoints hold every weight")
