@@ -158,30 +158,21 @@ class LiTModule(CLIPModule):
         """Projected text features (B, D) of a locked text tower, whose frozen part runs once per caption: the pooled
         features when nothing of it trains, else the hidden states before the first layer with trainable parameters
         (the layers from there on run every step)."""
-        cache, text, start = self._text_cache, self.model.text, self._cache_layers
+        text, start = self.model.text, self._cache_layers
         pooled_only = start == len(text.transformer.encoder.layer)
+
+        def locked_part(rows: list[int]) -> Any:
+            if pooled_only:
+                return text.forward_features(tokens[rows])  # (n, W)
+            hidden, mask = text.prefix(tokens[rows], start)  # (n, L', W), (n, L')
+            return [h[m] for h, m in zip(hidden, mask)]  # (tokens, W) each
+
         keys = [row.tobytes() for row in tokens.cpu().numpy()]
-        new: dict[bytes, int] = {}  # caption -> its first row, for captions not cached (duplicates run once)
-        for i, k in enumerate(keys):
-            if k not in cache:
-                new.setdefault(k, i)
-        found: dict[bytes, torch.Tensor] = {}
-        if new:
-            rows_new = tokens[list(new.values())]
-            with torch.no_grad():
-                if pooled_only:
-                    found = dict(zip(new, text.forward_features(rows_new)))  # (W,) each
-                else:
-                    hidden, mask = text.prefix(rows_new, start)  # (n, L', W), (n, L')
-                    found = {k: h[m] for k, h, m in zip(new, hidden, mask)}  # (tokens, W) each
-            if len(cache) + len(found) <= self.hparams.cache_text_max:
-                cache.update(found)
-        rows = [found[k] if k in found else cache[k] for k in keys]
+        rows = cached(self._text_cache, keys, locked_part, self.hparams.cache_text_max)
         if pooled_only:
             return text.proj(torch.stack(rows))
-        mask = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.bool, device=rows[0].device)
-        for i, r in enumerate(rows):
-            mask[i, :len(r)] = True
+        lengths = torch.tensor([len(r) for r in rows], device=rows[0].device)
+        mask = torch.arange(int(lengths.max()), device=lengths.device)[None, :] < lengths[:, None]  # (B, L')
         hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, L', W)
         return text.proj(text.suffix(hidden, mask, start))
 
@@ -193,20 +184,26 @@ class LiTModule(CLIPModule):
         if not self._image_cache_bound:
             self._image_cache = SHARED_IMAGE_CACHES.setdefault(prefix_fingerprint(visual, start), {})
             self._image_cache_bound = True
-        cache = self._image_cache
         keys = [hashlib.blake2b(tensor_bytes(row), digest_size=16).digest() for row in images.detach().cpu()]
-        new: dict[bytes, int] = {}
-        for i, k in enumerate(keys):
-            if k not in cache:
-                new.setdefault(k, i)
-        found: dict[bytes, torch.Tensor] = {}
-        if new:
-            with torch.no_grad():
-                found = dict(zip(new, visual.prefix(images[list(new.values())], start)))  # (1 + P, W) each
-            if len(cache) + len(found) <= self.hparams.cache_image_max:
-                cache.update(found)
-        hidden = torch.stack([found[k] if k in found else cache[k] for k in keys])  # (B, 1 + P, W)
-        return visual.suffix(hidden, start) @ self.model.image_projection
+        hidden = cached(self._image_cache, keys, lambda rows: visual.prefix(images[rows], start),
+                        self.hparams.cache_image_max)  # (1 + P, W) each
+        return visual.suffix(torch.stack(hidden), start) @ self.model.image_projection
+
+
+def cached(cache: dict[bytes, torch.Tensor], keys: list[bytes], compute: Any, limit: int) -> list[torch.Tensor]:
+    """The value of each key: from ``cache``, or ``compute(rows)`` (without gradients) on the first row of each key
+    not cached (duplicates run once), stored while the cache stays within ``limit`` entries."""
+    new: dict[bytes, int] = {}
+    for i, k in enumerate(keys):
+        if k not in cache:
+            new.setdefault(k, i)
+    found: dict[bytes, torch.Tensor] = {}
+    if new:
+        with torch.no_grad():
+            found = dict(zip(new, compute(list(new.values()))))
+        if len(cache) + len(found) <= limit:
+            cache.update(found)
+    return [found[k] if k in found else cache[k] for k in keys]
 
 
 #: the projections that stay trainable when their tower is locked (DiffCLIP, open_clip CLIP, Hugging Face towers)
