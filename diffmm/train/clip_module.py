@@ -91,6 +91,7 @@ MAX_LOGIT_SCALE = math.log(100.0)
 
 class CLIPModule(TrainModule):
     """Trains a CLIP-style model (``encode_image``, ``encode_text``, ``logit_scale``) on (images, tokens) batches.
+    LiT (locked towers, feature caches, a tower's own lr): :class:`~diffmm.train.LiTModule`.
 
     Args:
         model_name: any name ``diffmm.create_model`` accepts: a diffmm config (``diffmm.list_models()``, e.g.
