@@ -30,7 +30,12 @@ from diffmm.eval.clip_benchmark import clip_benchmark
 from diffmm.hub.export import export
 from diffmm.train.cli import main as lightning_main
 
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: the commands ``main`` hands to the LightningCLI (:mod:`diffmm.train.cli`), with their line in ``diffmm --help``
+LIGHTNING_HELP = {"fit": "train a model (LightningCLI): diffmm fit --config FILE; diffmm fit --help lists its options",
+                  "validate": "validation metrics of a model (LightningCLI, as fit)",
+                  "test": "test metrics of a model (LightningCLI, as fit)",
+                  "predict": "predictions of a model on a data set, e.g. CLIP features (LightningCLI, as fit)"}
+LIGHTNING_SUBCOMMANDS = tuple(LIGHTNING_HELP)
 #: errors that mean bad input (a file, a name, a value): one line and exit status 2
 INPUT_ERRORS = (ValueError, KeyError, OSError)
 
@@ -66,8 +71,8 @@ def _add_function(parser: ArgumentParser, fn: Callable) -> None:
     parser.add_function_arguments(fn, skip=set(positional), fail_untyped=True)
 
 
-def _add_commands(parser: ArgumentParser, commands_: dict, prog: str) -> None:
-    sub = parser.add_subcommands(required=True)
+def _add_commands(parser: ArgumentParser, commands_: dict, prog: str, sub=None) -> None:
+    sub = sub or parser.add_subcommands(required=True)
     for name, target in commands_.items():
         if name == "_help":
             continue
@@ -83,12 +88,23 @@ def _add_commands(parser: ArgumentParser, commands_: dict, prog: str) -> None:
             _add_function(child, target)
 
 
+<<<<<<< HEAD
 def build_parser(commands: Optional[dict] = None, prog: str = "diffmm") -> ArgumentParser:
     """The parser of a table of ``commands`` (its ``_help`` line, then name -> function or name -> a table of
     subcommands); default: every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
     commands = COMMANDS if commands is None else commands
     parser = ArgumentParser(prog=prog, exit_on_error=False, description=commands.get("_help"))
     _add_commands(parser, commands, prog)
+=======
+def build_parser() -> ArgumentParser:
+    """The parser of every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
+    parser = ArgumentParser(prog="diffmm", exit_on_error=False,
+                            description="differential attention for multimodal models and language models")
+    sub = parser.add_subcommands(required=True)
+    for name, help_ in LIGHTNING_HELP.items():  # listed only: main() hands them to the LightningCLI before parsing
+        sub.add_subcommand(name, ArgumentParser(prog=f"diffmm {name}", description=help_), help=help_)
+    _add_commands(parser, COMMANDS, "diffmm", sub)
+>>>>>>> trainer
     return parser
 
 

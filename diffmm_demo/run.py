@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from diffmm import __version__, load_pretrained
 from diffmm.eval.plots import plot_loss_curves, read_metrics_csv
 from diffmm.train.cli import run_cli
-from diffmm.train.clip_module import clear_image_caches
+from diffmm.train import clear_image_caches
 from diffmm.train.monitor import lambda_layers, lambda_values
 
 from diffmm_demo.datasets import STYLES, build_emoji, build_fashion_mnist, build_python_docs

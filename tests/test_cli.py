@@ -55,6 +55,15 @@ def test_usage_and_errors(tmp_path, capsys):
         assert len(err) == 1 and want in err[0], (argv, err)
 
 
+def test_help_lists_the_lightning_commands(capsys):
+    """``fit|validate|test|predict`` go to the LightningCLI before the parser, yet ``diffmm --help`` lists them."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    usage = out.splitlines()[0]
+    assert "{fit,validate,test,predict,eval,classify,shards,export," in usage, usage
+    assert "LightningCLI" in out
+
+
 def test_dashed_flags_are_aliases_of_the_parameter_names():
     argv = ["eval", "recall", "--lm", "config:transformer-tiny", "--seq-len=[16, 32]", "--batch-size", "4",
             "--out", "my-file--x.json"]

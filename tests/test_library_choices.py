@@ -137,7 +137,8 @@ def test_recall_at_k_equals_torchmetrics_hit_rate():
 def test_idx_reader_equals_torchvision(tmp_path):
     from torchvision.datasets.mnist import read_image_file, read_label_file
 
-    from diffmm.eval.idx import IdxArray, write_idx
+    from diffmm.eval.idx import IdxArray
+    from idx_helpers import write_idx
 
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (12, 28, 28), dtype=np.uint8), rng.integers(0, 10, 12).astype(np.uint8)

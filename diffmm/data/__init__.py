@@ -6,7 +6,6 @@ from diffmm.data.files import write_json_atomic
 from diffmm.data.image_text import ImageLabelDataset, ImageTextDataset, image_label_loader, image_text_loader
 from diffmm.data.shard_tools import (check_shards, index_shards, write_shards_from_captions, write_shards_from_folders,
                                      write_shards_from_text)
-from diffmm.data.sizes import total_samples
 from diffmm.data.stats import DataStats
 from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.data.text import TextDataset, inputs_targets, text_loader
@@ -18,6 +17,6 @@ __all__ = [
     "ClipBPE", "DataStats", "ImageLabelDataset", "ImageTextDataset", "ShardLoader", "ShardStream", "ShardWriter",
     "TextDataset", "TokenizerFile", "assign_shards", "check_shards", "detect_rank_world",
     "expand_sources", "image_label_loader", "image_text_loader", "index_shards", "inputs_targets",
-    "load_lm_tokenizer", "text_loader", "total_samples", "train_byte_level_bpe", "write_json_atomic",
+    "load_lm_tokenizer", "text_loader", "train_byte_level_bpe", "write_json_atomic",
     "write_shards_from_captions", "write_shards_from_folders", "write_shards_from_text",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from PIL import Image
 
@@ -112,14 +112,41 @@ def decode_text(sample: dict, field: str, stats: DataStats, where: str) -> Optio
     return text
 
 
-def parse_label(sample: dict, field: str) -> int:
-    """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``.
+def label_key(name: str) -> str:
+    """A class name as labels match it: case, ``_`` and runs of spaces ignored."""
+    return " ".join(name.replace("_", " ").lower().split())
+
+
+def class_index(classnames: Sequence[str]) -> dict[str, Optional[int]]:
+    """``label_key(name) -> index`` of class names (None for a key two names share)."""
+    index: dict[str, Optional[int]] = {}
+    for i, name in enumerate(classnames):
+        index[label_key(name)] = None if label_key(name) in index else i
+    return index
+
+
+def parse_label(sample: dict, field: str, names: Optional[dict[str, Optional[int]]] = None) -> int:
+    """An int label: ``"cls"`` reads ``KEY.cls``; ``"json:NAME"`` reads ``NAME`` from ``KEY.json``. A label that
+    is not an integer is a class name, looked up in ``names`` (:func:`class_index`), as ImageFolder and
+    CLIP_benchmark label by name.
 
     Raises:
-        KeyError, ValueError, UnicodeDecodeError: the field is missing or not an integer.
+        KeyError, ValueError, UnicodeDecodeError: the field is missing, or neither an integer nor a class name.
     """
     if field.startswith("json:"):
         meta = sample["json"]
-        return int((meta if isinstance(meta, dict) else json.loads(meta))[field[len("json:"):]])
-    value = sample[field]
-    return int(value.decode("utf-8").strip() if isinstance(value, (bytes, bytearray)) else value)
+        value = (meta if isinstance(meta, dict) else json.loads(meta))[field[len("json:"):]]
+    else:
+        value = sample[field]
+        value = value.decode("utf-8").strip() if isinstance(value, (bytes, bytearray)) else value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        if names is None:
+            raise ValueError(f"{value!r} is not an integer label; give the class names to label by name") from None
+    found = names.get(label_key(value), -1) if isinstance(value, str) else -1
+    if found is None or found < 0:
+        which = "exactly one" if found is None else "any"
+        raise ValueError(f"{value!r} is neither an integer label nor {which} of the class names (case, _ and spaces "
+                         f"ignored)")
+    return found

@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from diffmm.data.decode import MAX_IMAGE_PIXELS, decode_image, decode_text, parse_label
+from diffmm.data.decode import MAX_IMAGE_PIXELS, class_index, decode_image, decode_text, parse_label
 from diffmm.data.stream import ShardLoader, ShardStream
 from diffmm.models.clip.preprocess import image_transform
 from diffmm.models.clip.tokenizer import CLIPTokenizer
@@ -87,19 +87,23 @@ class ImageLabelDataset(_ImageStream):
     """Batches ``(images float (B,3,S,S), labels long (B,))`` for zero-shot and linear-probe evaluation.
 
     Args:
-        label_field: ``"cls"`` (a ``KEY.cls`` text file) or ``"json:NAME"`` (a field of ``KEY.json``).
+        label_field: ``"cls"`` (a ``KEY.cls`` text file) or ``"json:NAME"`` (a field of ``KEY.json``): a class
+            index, or a class name of ``classnames``.
+        classnames: the class names, in label order (labels that are names map to their index).
         Other arguments as :class:`ImageTextDataset`; ``train`` defaults to False here.
     """
 
     def __init__(self, urls: str | Sequence[str], batch_size: int, transform: Callable | None = None,
-                 image_size: int = 224, label_field: str = "cls", train: bool = False, **kwargs: Any) -> None:
+                 image_size: int = 224, label_field: str = "cls", train: bool = False,
+                 classnames: Sequence[str] | None = None, **kwargs: Any) -> None:
         super().__init__(urls, batch_size, transform, image_size, train, **kwargs)
         self.label_field = label_field
+        self.label_names = class_index(classnames) if classnames is not None else None
 
     def _process(self, sample: dict) -> tuple[torch.Tensor, int] | None:
         where = f"{sample['__url__']}:{sample['__key__']}"
         try:
-            label = parse_label(sample, self.label_field)
+            label = parse_label(sample, self.label_field, self.label_names)
         except (KeyError, ValueError, UnicodeDecodeError) as e:
             self.stats.skip("bad_label", where, f"{self.label_field}: {type(e).__name__}: {e}")
             return None

@@ -138,11 +138,6 @@ def shard_counts(urls: Sequence[str], progress: bool = False) -> dict[str, Shard
     return {u: out[u] for u in urls}
 
 
-def total_samples(urls: Sequence[str]) -> int:
-    """Total samples of ``urls`` (``sizes.json``, ``*_stats.json``, the count cache, or counted now)."""
-    return sum(c.samples for c in shard_counts(urls, progress=True).values())
-
-
 def write_sizes(urls: Iterable[str], progress: bool = True) -> dict[str, dict[str, int]]:
     """Count every shard (ignoring existing ``sizes.json`` entries) and merge the counts into the
     ``sizes.json`` of each shard's folder; returns ``{sizes.json path: {name: samples}}``."""

@@ -52,7 +52,7 @@ SHARED_ARGS = {
     "lm": "an LM: a Lightning .ckpt from diffmm fit, a diffmm export or DiffLlama folder, or config:NAME for random "
           "weights of a named LMConfig.",
     "tokenizer": "clip or a tokenizer.json (default: the LM folder's tokenizer.json, else clip).",
-    "label_field": "the label of a shard sample: cls or json:NAME.",
+    "label_field": "the label of a shard sample: cls or json:NAME (a class index, or a class name).",
     "trust_pickle": "allow pickled checkpoints that need full unpickling (official DiffCLIP; files you trust).",
     "batch_size": "samples per batch.",
     "workers": "DataLoader workers.",

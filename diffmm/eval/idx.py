@@ -1,4 +1,4 @@
-"""IDX files (the MNIST / Fashion-MNIST format): read items lazily, write small ones (for tests and tools).
+"""IDX files (the MNIST / Fashion-MNIST format): read items lazily.
 
 Layout: two zero bytes, a dtype code, the number of dims, one big-endian int32 per dim, then the
 data, big-endian, row-major. ``.gz`` files are read through ``gzip`` (sequential reads stay cheap).
@@ -16,7 +16,6 @@ from diffmm.eval.common import EvalError
 
 _DTYPES = {0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
            0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
-_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09}
 
 
 def _open(path: str) -> BinaryIO:
@@ -75,19 +74,6 @@ class IdxArray:
         if len(data) < n:
             raise EvalError(f"{self.path}: {len(data)} data bytes; the header promises {n} (truncated IDX file)")
         return np.frombuffer(data[:n], dtype=self.dtype).reshape(self.shape)
-
-
-def write_idx(path: str, array: np.ndarray) -> str:
-    """Write a uint8/int8 array as an IDX file (``.gz`` compresses). Returns the path."""
-    array = np.ascontiguousarray(array)
-    if array.dtype not in _CODES:
-        raise EvalError(f"write_idx supports uint8/int8 arrays; got {array.dtype}")
-    header = bytes([0, 0, _CODES[array.dtype], array.ndim]) + struct.pack(f">{array.ndim}i", *array.shape)
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "wb") as f:  # type: ignore[operator]
-        f.write(header)
-        f.write(array.tobytes())
-    return path
 
 
 def find_idx_pair(folder: str, split: str) -> tuple[str, str]:

@@ -4,7 +4,8 @@ Labelled (``(images float (B,3,S,S), labels long (B,))`` batches, for zero-shot 
 
 * :class:`ImageFolderSource`: ``ROOT/<class>/<image>`` (class index = sorted folder order).
 * :class:`IdxSource`: IDX image + label files (MNIST / Fashion-MNIST), read item by item.
-* :class:`ShardLabelSource`: webdataset shards with a label field (``cls`` or ``json:NAME``).
+* :class:`ShardLabelSource`: webdataset shards with a label field (``cls`` or ``json:NAME``; an index or a
+  class name).
 
 Unlabelled (for ``diffmm classify``): a :class:`MapSource` of :class:`ImageFiles` over the files of
 :func:`expand_image_inputs`, whose labels are the indices of the files.
@@ -167,21 +168,23 @@ class IdxSource(MapSource):
 
 
 class ShardLabelSource:
-    """Webdataset shards with images and an integer label (``diffmm.data.ImageLabelDataset``).
+    """Webdataset shards with images and a label (``diffmm.data.ImageLabelDataset``).
 
     Args:
         urls: shard spec (brace expansion allowed).
         transform: PIL image -> tensor.
-        label_field: ``cls`` or ``json:NAME``.
+        label_field: ``cls`` or ``json:NAME``: a class index, or a class name of ``classnames``.
         batch_size: images per batch.
         num_workers: DataLoader workers.
+        classnames: the class names, in label order (labels that are names map to their index).
     """
 
     def __init__(self, urls: str | Sequence[str], transform: Callable, label_field: str = "cls",
-                 batch_size: int = 64, num_workers: int = 2) -> None:
+                 batch_size: int = 64, num_workers: int = 2, classnames: Optional[Sequence[str]] = None) -> None:
         try:
             self.dataset = ImageLabelDataset(urls, batch_size, transform=transform, label_field=label_field,
-                                             train=False, shuffle=False, equalize=False, name="eval")
+                                             train=False, shuffle=False, equalize=False, name="eval",
+                                             classnames=classnames)
         except (FileNotFoundError, ValueError) as e:
             raise EvalError(f"shards {urls}: {e}") from None
         self.loader, self.batch_size = ShardLoader(self.dataset, num_workers=num_workers), batch_size
@@ -214,7 +217,8 @@ def open_image_source(spec: str, transform: Callable, *, classnames: Optional[Se
     if os.path.isdir(spec):
         return ImageFolderSource(spec, transform, classnames, batch_size=batch_size, num_workers=num_workers)
     if ".tar" in spec or spec.startswith("pipe:"):
-        return ShardLabelSource(spec, transform, label_field, batch_size=batch_size, num_workers=num_workers)
+        return ShardLabelSource(spec, transform, label_field, batch_size=batch_size, num_workers=num_workers,
+                                classnames=classnames)
     if any(c in spec for c in GLOB_CHARS) or (os.path.isfile(spec) and spec.lower().endswith(IMAGE_EXTENSIONS)):
         raise EvalError(f"{spec}: {UNLABELLED}")
     raise EvalError(f"dataset {spec!r}: not a folder, idx:FOLDER or a .tar shard spec")

@@ -183,8 +183,12 @@ def evaluate_zero_shot(model, classifier: torch.Tensor, source: Iterable, *, cla
         confusion += torch.bincount((labels * C + ranked[:, 0]).cpu(), minlength=C * C)
         bar.update(len(labels))
     bar.close()
-    return ZeroShotResult(names, confusion.view(C, C).numpy(), correct, dict(getattr(source, "skipped", {})),
-                          time.perf_counter() - t0)
+    skipped = dict(getattr(source, "skipped", {}))
+    if not int(confusion.sum()):
+        why = ("skipped: " + ", ".join(f"{k} {v}" for k, v in skipped.items()) + "; the first of each kind is logged"
+               if skipped else "the source gave no images")
+        raise EvalError(f"zero-shot on {getattr(source, 'name', 'the data')}: no image was scored ({why})")
+    return ZeroShotResult(names, confusion.view(C, C).numpy(), correct, skipped, time.perf_counter() - t0)
 
 
 def zero_shot(model, tokenizer, source: Iterable, classnames: Sequence[str], templates: Sequence[Template] | str,

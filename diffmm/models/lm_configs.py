@@ -1,20 +1,11 @@
-"""Named :class:`~diffmm.models.lm.LMConfig` presets: tiny ones for tests/CPU and the DIFF paper's sizes.
+"""Named :class:`~diffmm.models.lm.LMConfig` presets (:data:`LM_CONFIGS`, :func:`list_lm_configs`).
 
-Every size comes as a pair, ``diff-<size>`` and ``transformer-<size>``, identical except for
-``attn_type``. ``heads`` always counts the heads of the *standard* Transformer at that width; a
-differential layer gets ``heads // 2`` heads of the same head dim (the paper keeps the width and halves the heads).
-
-Paper sizes (DIFF Transformer, arXiv 2410.05258, App. D scaling table). The widths, depths and
-DIFF head counts below are as we recall that table; we could not fetch the paper from this
-machine. They are cross-checked by arithmetic instead: with SwiGLU hidden 8/3*E, no biases and
-one 100288 x E embedding matrix (tiktoken cl100k_base, padded), ``12*E^2*L + 100288*E`` gives
-833M / 1.41B / 2.77B / 6.85B / 13.1B, matching the advertised 830M / 1.4B / 2.8B / 6.8B / 13.1B
-(``tests/models/test_lm.py`` checks ``param_report()`` of these presets against that). Appendix D
-states the Transformer baseline has twice the DIFF heads, which is how ``heads`` is defined here.
-The "3B" entry (width 3072, 28 layers, 12 DIFF heads of dim 128, FFN 8192, context 4096) is the
-paper's 1T-token model as we recall its description; it is NOT verified (its parameter count comes
-out at 3.48B with a tied head, 3.17B without embeddings), so treat it as approximate.
-Vocabulary and context of the paper sizes: 100288 and 2048 (section 3.2 trains with 2048 tokens).
+Every size comes as a pair, ``diff-<size>`` and ``transformer-<size>``, identical except for ``attn_type``. ``heads``
+counts the heads of the *standard* Transformer at that width; a differential layer gets ``heads // 2`` heads of the
+same head dim (the width stays, the heads halve). ``tiny``, ``tiny-gqa`` and ``cpu-small`` are for tests and CPUs;
+``830m``, ``1.4b``, ``2.8b``, ``6.8b``, ``13.1b`` and ``3b`` are sized after the DIFF Transformer paper's models
+(arXiv 2410.05258), with a 100288-token vocabulary and 2048-token context (``3b``: 4096, SwiGLU hidden 8192);
+docs/lm.md lists them with their parameter counts and says where the sizes come from and how far they are checked.
 """
 from __future__ import annotations
 
@@ -46,7 +37,7 @@ for _size, (_E, _L, _h) in _PAPER.items():
     _kw = dict(vocab_size=_PAPER_VOCAB, context_length=_PAPER_CONTEXT, layers=_L, width=_E, heads=2 * _h)
     LM_CONFIGS[f"diff-{_size}"] = dict(_kw, attn_type="diff")
     LM_CONFIGS[f"transformer-{_size}"] = dict(_kw, attn_type="standard")
-# Not verified against the paper (see the module docstring).
+# the paper's 3B model (docs/lm.md: its sizes are not verified)
 _3B = dict(vocab_size=_PAPER_VOCAB, context_length=4096, layers=28, width=3072, heads=24, intermediate_size=8192)
 LM_CONFIGS["diff-3b"] = dict(_3B, attn_type="diff")
 LM_CONFIGS["transformer-3b"] = dict(_3B, attn_type="standard")

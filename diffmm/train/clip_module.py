@@ -2,7 +2,11 @@
 classification during validation."""
 from __future__ import annotations
 
+<<<<<<< HEAD
 import hashlib
+=======
+import contextlib
+>>>>>>> trainer
 import logging
 import math
 from typing import Any, Optional
@@ -66,42 +70,13 @@ class ZeroShotHook:
         return {"top1": result.top1, "top5": result.top5}
 
 
-#: ``cache_image_features``' caches, one per locked image-tower prefix (:func:`prefix_fingerprint`): modules of one
-#: process with the same locked weights share it (the demo's runs compute DINOv2's locked blocks once)
-SHARED_IMAGE_CACHES: dict[bytes, dict[bytes, torch.Tensor]] = {}
-
-
-def clear_image_caches() -> None:
-    """Free the memory of every ``cache_image_features`` cache of this process."""
-    SHARED_IMAGE_CACHES.clear()
-
-
-def prefix_fingerprint(visual: nn.Module, start: int) -> bytes:
-    """A digest of what the tokens entering block ``start`` of a diffmm image tower depend on: the modules before it
-    (their ``repr``: types, sizes, eps), their parameters and buffers (names, shapes, dtypes, bytes), the device
-    and the autocast state the tokens are computed under."""
-    h = hashlib.blake2b(digest_size=16)
-    device = visual.cls_token.device
-    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
-    h.update(f"{device}|{autocast}".encode())
-    parts = [("patch_embed", visual.patch_embed), ("norm_pre", visual.norm_pre),
-             *((f"blocks.{i}", b) for i, b in enumerate(visual.blocks[:start]))]
-    tensors = [("cls_token", visual.cls_token), ("pos_embed", visual.pos_embed)]
-    for name, module in parts:
-        h.update(f"{name}={module!r}".encode())
-        tensors += [(f"{name}.{k}", t) for k, t in (*module.named_parameters(), *module.named_buffers())]
-    for name, t in tensors:
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()
-
-
 #: open_clip's clamp of the learnable temperature: exp(logit_scale) <= 100
 MAX_LOGIT_SCALE = math.log(100.0)
 
 
 class CLIPModule(TrainModule):
     """Trains a CLIP-style model (``encode_image``, ``encode_text``, ``logit_scale``) on (images, tokens) batches.
+    LiT (locked towers, feature caches, a tower's own lr): :class:`~diffmm.train.LiTModule`.
 
     Args:
         model_name: any name ``diffmm.create_model`` accepts: a diffmm config (``diffmm.list_models()``, e.g.
@@ -126,21 +101,6 @@ class CLIPModule(TrainModule):
         grad_checkpointing, compile, log_lambdas: see :class:`~diffmm.train.base.TrainModule`.
         zeroshot: optional zero-shot evaluation during validation, keyword arguments of
             :class:`ZeroShotHook` (needs ``diffmm.eval.zeroshot``).
-        lock_text / lock_image: LiT-style locking (arXiv 2111.07991): the tower's encoder is frozen and kept in
-            eval mode (no dropout); its projection to the joint space still trains.
-        lock_text_unlocked / lock_image_unlocked: parameter-name fragments of a locked tower that still train
-            (partial unlocking), e.g. ``[lambda_, LayerNorm]`` for the lambdas and norms of an upcycled MiniLM.
-        cache_text_features: with a locked Hugging Face text tower and nothing of it unlocked, compute each
-            caption's pooled features once and reuse them (kept in memory for up to ``cache_text_max`` distinct
-            captions), so training costs only the image tower and the projections.
-        text_lr: peak lr of the text tower's encoder (its projection keeps ``lr``), e.g. a small lr for a
-            pretrained text tower that is fine-tuned while a fresh image tower trains at ``lr``.
-        cache_image_features: with a locked diffmm image tower (DiffCLIP), compute the tokens entering its first
-            block with trainable parameters once per distinct image and reuse them (up to ``cache_image_max``
-            images, kept in memory for the process and shared by modules with the same locked weights:
-            :data:`SHARED_IMAGE_CACHES`, :func:`clear_image_caches`; an image is its preprocessed pixels, so this
-            pays only with a deterministic train transform: ``data.crop_scale: [1.0, 1.0]``).
-        image_lr: peak lr of the image tower's encoder (its projection keeps ``lr``).
     """
 
     def __init__(self, model_name: str = "DiffCLIP-Tiny", model_kwargs: Optional[dict] = None,
@@ -151,12 +111,7 @@ class CLIPModule(TrainModule):
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8,
                  warmup_steps: int = 0, warmup_epochs: Optional[float] = None, total_steps: Optional[int] = None,
                  grad_checkpointing: bool = False, compile: bool = False, log_lambdas: bool = True,
-                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None,
-                 lock_text: bool = False, lock_text_unlocked: Optional[list[str]] = None, lock_image: bool = False,
-                 lock_image_unlocked: Optional[list[str]] = None, cache_text_features: bool = False,
-                 cache_text_max: int = 1_000_000, text_lr: Optional[float] = None,
-                 cache_image_features: bool = False, cache_image_max: int = 50_000,
-                 image_lr: Optional[float] = None) -> None:
+                 no_decay: Optional[list[str]] = None, zeroshot: Optional[dict[str, Any]] = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         if model is None:
@@ -171,25 +126,6 @@ class CLIPModule(TrainModule):
         if getattr(model, "logit_bias", None) is not None:
             raise ValueError("CLIPModule: the model has a logit_bias (init_logit_bias, a SigLIP-style model); its "
                              "sigmoid loss is not implemented, only CLIP's contrastive loss")
-        self.locked: dict[str, list[str]] = {}
-        for tower, on, unlocked in (("text", lock_text, lock_text_unlocked),
-                                    ("visual", lock_image, lock_image_unlocked)):
-            if on:
-                self.locked[tower] = lock_tower(model, tower, unlocked or [])
-        self._text_cache: Optional[dict[bytes, torch.Tensor]] = None
-        if cache_text_features:
-            if not lock_text or not hasattr(getattr(model, "text", None), "prefix"):
-                raise ValueError("model.cache_text_features needs lock_text: true and a Hugging Face text tower "
-                                 "(text_cfg.hf_model_name)")
-            self._text_cache, self._cache_layers = {}, cached_layers(model, self.locked["text"])
-        self._image_cache: Optional[dict[bytes, torch.Tensor]] = None
-        if cache_image_features:
-            if not lock_image or not hasattr(getattr(model, "visual", None), "prefix"):
-                raise ValueError("model.cache_image_features needs lock_image: true and a diffmm image tower "
-                                 "(a DiffCLIP model: diffmm.list_models())")
-            # bound to its shared cache at the first batch, once the weights it depends on are final
-            self._image_cache, self._image_start = {}, cached_blocks(model, self.locked["visual"])
-            self._image_cache_bound = False
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
@@ -201,86 +137,9 @@ class CLIPModule(TrainModule):
         if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
             checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
-    def train(self, mode: bool = True) -> "CLIPModule":
-        """Train mode, except the locked towers' encoders (they stay in eval mode)."""
-        super().train(mode)
-        for tower in self.locked:
-            for module in tower_modules(self.model, tower):
-                module.eval()
-        return self
-
-    def param_lrs(self) -> dict[str, float]:
-        lrs = {}
-        for tower, lr in (("text", self.hparams.get("text_lr")), ("visual", self.hparams.get("image_lr"))):
-            if lr is not None:
-                lrs.update({p: lr for p in tower_prefixes(self.model, tower)})
-        return lrs
-
     # ----- steps --------------------------------------------------------------------------------
-    def cached_text_features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Projected text features (B, D) of a locked text tower, whose frozen part runs once per caption: the pooled
-        features when nothing of it trains, else the hidden states before the first layer with trainable parameters
-        (the layers from there on run every step)."""
-        cache, text, start = self._text_cache, self.model.text, self._cache_layers
-        pooled_only = start == len(text.transformer.encoder.layer)
-        keys = [row.tobytes() for row in tokens.cpu().numpy()]
-        new: dict[bytes, int] = {}  # caption -> its first row, for captions not cached (duplicates run once)
-        for i, k in enumerate(keys):
-            if k not in cache:
-                new.setdefault(k, i)
-        found: dict[bytes, torch.Tensor] = {}
-        if new:
-            rows_new = tokens[list(new.values())]
-            with torch.no_grad():
-                if pooled_only:
-                    found = dict(zip(new, text.forward_features(rows_new)))  # (W,) each
-                else:
-                    hidden, mask = text.prefix(rows_new, start)  # (n, L', W), (n, L')
-                    found = {k: h[m] for k, h, m in zip(new, hidden, mask)}  # (tokens, W) each
-            if len(cache) + len(found) <= self.hparams.cache_text_max:
-                cache.update(found)
-        rows = [found[k] if k in found else cache[k] for k in keys]
-        if pooled_only:
-            return text.proj(torch.stack(rows))
-        mask = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.bool, device=rows[0].device)
-        for i, r in enumerate(rows):
-            mask[i, :len(r)] = True
-        hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, L', W)
-        return text.proj(text.suffix(hidden, mask, start))
-
-    def cached_image_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Projected image features (B, D) of a locked diffmm image tower whose blocks before ``_image_start`` run
-        once per distinct image (keyed by its preprocessed pixels); the blocks from there on run every step."""
-        visual, start = self.model.visual, self._image_start
-        images = images.to(visual.patch_embed.proj.weight.dtype)  # as encode_image does
-        if not self._image_cache_bound:
-            self._image_cache = SHARED_IMAGE_CACHES.setdefault(prefix_fingerprint(visual, start), {})
-            self._image_cache_bound = True
-        cache = self._image_cache
-        keys = [hashlib.blake2b(row.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
-                for row in images.detach().cpu().contiguous()]  # bytes of any dtype (bf16 has no numpy type)
-        new: dict[bytes, int] = {}
-        for i, k in enumerate(keys):
-            if k not in cache:
-                new.setdefault(k, i)
-        found: dict[bytes, torch.Tensor] = {}
-        if new:
-            with torch.no_grad():
-                found = dict(zip(new, visual.prefix(images[list(new.values())], start)))  # (1 + P, W) each
-            if len(cache) + len(found) <= self.hparams.cache_image_max:
-                cache.update(found)
-        hidden = torch.stack([found[k] if k in found else cache[k] for k in keys])  # (B, 1 + P, W)
-        return visual.suffix(hidden, start) @ self.model.image_projection
-
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """L2-normalised image (B, D) and text (B, D) features and the clamped scale exp(logit_scale)."""
-        if self._text_cache is not None or self._image_cache is not None:
-            img = (self.cached_image_features(images) if self._image_cache is not None
-                   else self.model.encode_image(images))
-            txt = self.cached_text_features(tokens) if self._text_cache is not None else self.model.encode_text(tokens)
-            value = getattr(self.model, "logit_scale_value", None)  # DiffCLIP: clamped at its logit_scale_max
-            scale = value() if value is not None else self.model.logit_scale.exp()
-            return F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale.clamp(max=100.0)
         out = self.run_model(images, tokens)
         if isinstance(out, dict):
             img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
@@ -337,77 +196,3 @@ class CLIPModule(TrainModule):
         results = self.zeroshot.run(self.model, epoch=self.current_epoch, rank=self.global_rank)
         if results:
             self.log_dict({f"zeroshot/{k}": float(v) for k, v in results.items()}, sync_dist=False, rank_zero_only=True)
-
-
-#: the projections that stay trainable when their tower is locked (DiffCLIP, open_clip CLIP, Hugging Face towers)
-PROJECTIONS = ("image_projection", "visual.proj", "text_projection", "text.proj", "text.text_projection")
-
-
-def tower_prefixes(model: nn.Module, tower: str) -> list[str]:
-    """Parameter-name prefixes of a tower's encoder (``'text'`` or ``'visual'``), projections excluded."""
-    if tower == "visual":
-        return ["visual."]
-    if isinstance(getattr(model, "text", None), nn.Module):  # Hugging Face tower (DiffCLIP, open_clip CustomTextCLIP)
-        inner = getattr(model.text, "transformer", None)
-        return ["text.transformer."] if inner is not None else ["text."]
-    return ["token_embedding.", "positional_embedding", "transformer.", "ln_final."]
-
-
-def tower_modules(model: nn.Module, tower: str) -> list[nn.Module]:
-    """The modules under a tower's encoder prefixes."""
-    prefixes = tower_prefixes(model, tower)
-    return [m for name, m in model.named_modules() if name and any((name + ".").startswith(p) for p in prefixes)]
-
-
-def cached_layers(model: nn.Module, trainable: list[str]) -> int:
-    """How many leading encoder layers of a locked Hugging Face text tower never change (all of them when nothing
-    of it trains): what ``cache_text_features`` may compute once per caption. Trainable embeddings (or anything
-    outside the layers) leave nothing to cache: a one-line error."""
-    n = len(model.text.transformer.encoder.layer)
-    first = n
-    for name in trainable:
-        head = "text.transformer.encoder.layer."
-        if not name.startswith(head):
-            raise ValueError(f"model.cache_text_features: {name} trains, so no part of the text tower is fixed; "
-                             f"unlock only whole encoder layers from some layer on (or drop cache_text_features)")
-        first = min(first, int(name[len(head):].split(".")[0]))
-    return first
-
-
-def cached_blocks(model: nn.Module, trainable: list[str]) -> int:
-    """How many leading blocks of a locked diffmm image tower never change (all of them when nothing of it trains):
-    what ``cache_image_features`` may compute once per image. Trainable embeddings (patches, positions, CLS) leave
-    nothing to cache: a one-line error."""
-    first = len(model.visual.blocks)
-    for name in trainable:
-        head = "visual.blocks."
-        if name.startswith(head):
-            first = min(first, int(name[len(head):].split(".")[0]))
-        elif not name.startswith("visual.norm."):  # the final norm comes after the blocks
-            raise ValueError(f"model.cache_image_features: {name} trains, so no part of the image tower is fixed; "
-                             f"unlock only whole blocks from some block on and the final norm (or drop "
-                             f"cache_image_features)")
-    return first
-
-
-def lock_tower(model: nn.Module, tower: str, unlocked: list[str]) -> list[str]:
-    """Freeze a tower's encoder except parameters whose names contain a fragment of ``unlocked``; returns the
-    names left trainable. A fragment that matches nothing is an error (a typo would silently freeze them)."""
-    prefixes, trainable = tower_prefixes(model, tower), []
-    seen = {f: False for f in unlocked}
-    for name, p in model.named_parameters():
-        if not any(name.startswith(x) for x in prefixes) or name.startswith(PROJECTIONS):
-            continue
-        hits = [f for f in unlocked if f in name]
-        for f in hits:
-            seen[f] = True
-        p.requires_grad_(bool(hits))
-        if hits:
-            trainable.append(name)
-    missing = [f for f, hit in seen.items() if not hit]
-    if missing:
-        raise ValueError(f"model.lock_{'image' if tower == 'visual' else 'text'}_unlocked: {', '.join(missing)} "
-                         f"names no parameter of the {tower} tower")
-    log.info("locked the %s tower: %d parameter tensors train (%s)", tower, len(trainable),
-             ", ".join(trainable[:4]) + (" ..." if len(trainable) > 4 else ""))
-    return trainable

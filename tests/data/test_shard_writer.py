@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diffmm.data.sizes import total_samples
+from diffmm.data.sizes import shard_counts
 from diffmm.data.urls import expand_sources
 from diffmm.data.writer import ShardWriter, sanitize_key
 
@@ -31,7 +31,8 @@ def test_maxcount_maxsize_and_sizes_json(tmp_path):
     w = write(tmp_path, maxcount=4)
     assert [w.sizes[f"x-{i:06d}.tar"] for i in range(3)] == [4, 4, 2]
     assert json.load(open(tmp_path / "sizes.json")) == w.sizes
-    assert total_samples([str(tmp_path / "x-{:06d}.tar".format(i)) for i in range(3)]) == 10
+    counts = shard_counts([str(tmp_path / "x-{:06d}.tar".format(i)) for i in range(3)])
+    assert sum(c.samples for c in counts.values()) == 10
     w2 = write(tmp_path / "small", maxsize=2500)      # ~1 KiB of overhead per field: 1 sample per shard
     assert len(w2.shards) == 10 and set(w2.sizes.values()) == {1}
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from eval_helpers import (KeyCLIP, KeyTokenizer, code_image, known_dataset, tiny_open_clip, to_tensor_rgb,
                           write_image_folder, write_label_shard)
+from idx_helpers import write_idx
 
 from diffmm.eval.classnames import get_templates
 from diffmm.eval.common import EvalError
-from diffmm.eval.idx import write_idx
 from diffmm.eval.image_sources import IdxSource, ImageFolderSource, open_image_source
 from diffmm.eval.zeroshot import build_zero_shot_classifier, evaluate_zero_shot, zero_shot
 
@@ -225,6 +225,7 @@ def test_autocast_path_and_pretrained_loading(tmp_path):
     assert x.shape == (3, 64, 64)
 
 
+<<<<<<< HEAD
 class _Bar:
     """Records what a progress bar was told: its total and how far it got."""
 
@@ -252,3 +253,47 @@ def test_the_progress_bar_ends_where_max_batches_stops(data, monkeypatch, max_ba
     res = zero_shot(KeyCLIP(C, len(TEMPLATES)), KeyTokenizer(["photo", "drawing", "sketch"]), source, NAMES,
                     TEMPLATES, max_batches=max_batches)
     assert [(b.total, b.n) for b in _Bar.made] == [(total, total)] and res.n == total
+=======
+# ------------------------------------------------------------------------------------------- labels by name
+def test_labels_by_class_name(data, tmp_path):
+    """Shards whose labels are class names (``json:NAME`` or ``.cls``) score as those with class indices."""
+    root, labels, rankings = data
+    for field, in_json in (("json:label", True), ("cls", False)):
+        path = write_label_shard(str(tmp_path / f"names-{in_json}.tar"), [NAMES[y] for y in labels], rankings,
+                                 label_in_json=in_json)
+        source = open_image_source(path, to_tensor_rgb, classnames=NAMES, label_field=field, batch_size=16,
+                                   num_workers=0)
+        res = zero_shot(KeyCLIP(C, 1), KeyTokenizer(["photo"]), source, NAMES, ["a photo of {}."],
+                        show_progress=False)
+        assert res.n == 100 and res.skipped == {}, field
+        np.testing.assert_array_equal(res.confusion, expected(labels, rankings))
+
+
+def test_parse_label_by_name():
+    from diffmm.data.decode import class_index, parse_label
+
+    names = class_index(["golden retriever", "cat", "Cat", "dog"])
+    for value, want in (("golden_retriever", 0), ("Golden  Retriever", 0), ("DOG", 3), (2, 2), ("1", 1)):
+        assert parse_label({"json": {"c": value}}, "json:c", names) == want, value
+    for value, which in (("cat", "exactly one"), ("bird", "any")):  # cat and Cat match both when case is ignored
+        with pytest.raises(ValueError, match=f"'{value}' is neither an integer label nor {which} of the class names"):
+            parse_label({"json": {"c": value}}, "json:c", names)
+    with pytest.raises(ValueError, match="'dog' is not an integer label; give the class names"):
+        parse_label({"cls": b"dog\n"}, "cls")
+
+
+def test_an_evaluation_that_scores_nothing_is_an_error(data, tmp_path, capsys):
+    """Labels that name no class skip every sample: ``diffmm eval zeroshot`` says so in one line, exit status 2."""
+    from diffmm.cli import main
+
+    root, labels, rankings = data
+    path = write_label_shard(str(tmp_path / "other.tar"), ["dog"] * 10, rankings[:10], label_in_json=True)
+    source = open_image_source(path, to_tensor_rgb, classnames=NAMES, label_field="json:label", num_workers=0)
+    with pytest.raises(EvalError, match=r"other.tar: no image was scored \(skipped: bad_label 10;"):
+        zero_shot(KeyCLIP(C, 1), KeyTokenizer(["photo"]), source, NAMES, ["a photo of {}."], show_progress=False)
+    (tmp_path / "names.txt").write_text("\n".join(NAMES) + "\n")
+    rc = main(["eval", "zeroshot", "--model", "CLIP-Tiny", "--data", path, "--label_field", "json:label",
+               "--classnames", str(tmp_path / "names.txt"), "--workers", "0", "--progress", "false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("diffmm eval zeroshot: error: zero-shot on ") and "bad_label 10" in err[-1]
+>>>>>>> trainer

