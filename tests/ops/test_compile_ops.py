@@ -1,7 +1,7 @@
 """``torch.compile(fullgraph=True)`` through the attention ops: the sdpa backend's layouts (the combined one is a
 pair of custom ops with fake implementations) and the reference, compiled, against the float64 reference in eager,
 forward and backward; the custom ops pass ``torch.library.opcheck``. (aot_eager: the tracing and the autograd
-graph; inductor's code generation runs in tests/models/test_compile.py); DIFF V2 compiled too."""
+graph; inductor's code generation runs in tests/models/test_compile_models.py); DIFF V2 compiled too."""
 import pytest
 import torch
 
