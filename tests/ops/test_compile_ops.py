@@ -77,3 +77,16 @@ def test_diff_v2_fullgraph_compile_matches_eager_fp64():
     g = torch.randn(out.shape, dtype=out.dtype)
     for a, b in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, ref_inputs, g)):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_combined_compiles_with_dynamic_shapes():
+    """One graph with symbolic sizes serves several sequence lengths (the fake implementation's chunk geometry)."""
+    torch._dynamo.reset()
+    fn = torch.compile(attention("combined"), fullgraph=True, backend="aot_eager", dynamic=True)
+    for N in (13, 29):
+        q, k, v, lam, _ = make_inputs(N=N, seed=N)
+        out, grads = run_and_grads(fn, q, k, v, lam, causal=True, lambda_init=0.2)
+        ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=True, lambda_init=0.2)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, **TOL)
