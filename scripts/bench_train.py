@@ -57,8 +57,7 @@ from diffmm.train.optim import WarmupCosineLR, adamw
 
 
 class TimedBatches:
-    """Cached batches, iterated ``steps`` times; records when each batch is requested (wall and CPU clocks).
-    ``compile``: the plain loop and open_clip's step run their model compiled (``--compile``)."""
+    """Cached batches, iterated ``steps`` times; records when each batch is requested (wall and CPU clocks)."""
 
     def __init__(self, batches: list, steps: int, compile: bool = False) -> None:
         self.batches, self.steps, self.times, self.cpu, self.compile = batches, steps, [], [], compile
@@ -240,7 +239,8 @@ def print_table(results: list[dict], args, env: dict, step_note: str) -> None:
     print(f"\n## Training-step throughput (CPU {env['cpu']}, torch {env['torch']}, {args.threads} compute thread(s); "
           f"{args.repeats} alternating runs per contender, first {args.warmup} steps of each run excluded; 1-min load "
           f"{env['load_1m_start']:.1f} at the start, {env['load_1m_end']:.1f} at the end)\n")
-    print("Rates from the median step time measured on this process's CPU clock (wall-clock rates in brackets).\n")
+    print("Rates from the median step time measured on this process's CPU clock (wall-clock rates in brackets)"
+          f"{'; plain loop and open_clip step compiled (--compile), Lightning eager' if args.compile else ''}.\n")
     print("| workload | unit | plain PyTorch | diffmm Lightning | open_clip step | Lightning overhead (CPU) | "
           "Lightning overhead (wall) | open_clip / plain (CPU) |")
     print("|---|---|---|---|---|---|---|---|")

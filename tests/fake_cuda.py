@@ -1,9 +1,9 @@
 """TEST-ONLY: a CUDA device without a GPU. ``fake_cuda()`` runs code under torch's ``FakeTensorMode`` with
 ``device="cuda"`` as the default device (tensors carry shapes, dtypes and devices, no data; a CPU tensor meeting
-a CUDA one raises); ``one_gpu()`` has ``torch.cuda`` report one sm_90 GPU so that backend dispatch takes the CUDA
-choices.
-``backward(loss)`` runs the backward pass of fake CUDA tensors, which torch's C++ autograd engine cannot without a
-CUDA context (pytorch/pytorch#92627). ``ops_called()`` records the names of the ops that run."""
+a CUDA one raises); ``to_fake_cuda(model, mode)`` moves a model there; ``one_gpu()`` has ``torch.cuda`` report one
+sm_90 GPU so that backend dispatch takes the CUDA choices (``trusting_triton()``: the same for torch.compile's
+tracing); ``backward(loss)`` runs the backward pass of fake CUDA tensors, which torch's C++ autograd engine cannot
+without a CUDA context (pytorch/pytorch#92627); ``ops_called()`` records the names of the ops that run."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import diffmm.ops as ops
 
 
 @contextlib.contextmanager
@@ -61,7 +63,7 @@ def trusting_triton() -> Iterator[None]:
     """The ``triton`` backend takes every CUDA call, through diffmm's registry alone: for torch.compile, whose
     tracing reaches for the driver when ``torch.cuda`` is patched (:func:`one_gpu`). Use it with models whose every
     call the real dispatch gives to the fused kernel (the eager tests check which)."""
-    ops = pytest.importorskip("diffmm.ops")
+    pytest.importorskip("triton")
     backend = ops.get_backend("triton")
 
     def unsupported(call):

@@ -79,11 +79,11 @@ def test_lit_step_with_cached_prefixes(tmp_path):
                         "attn_type": ["standard", "diff", "diff"]}}
     (tmp_path / "lit.json").write_text(json.dumps(cfg))
     model = diffmm.create_model(str(tmp_path / "lit.json"))  # on the CPU: Hugging Face loads real weights
-    v_start, t_start = 1, 2
+    v_start, t_start = 1, 2  # the first block / layer that trains
+    trained = ("visual.blocks.1.", "visual.norm.", "text.transformer.encoder.layer.2.", "image_projection",
+               "text.proj", "logit_scale")
     for name, p in model.named_parameters():
-        head = ("visual.blocks.1.", "visual.norm.", "text.transformer.encoder.layer.2.", "image_projection",
-                "text.proj", "logit_scale")
-        p.requires_grad_(name.startswith(head))
+        p.requires_grad_(name.startswith(trained))
     with fake_cuda() as mode:
         to_fake_cuda(model, mode)
         images, tokens = torch.randn(2, 3, 32, 32), torch.randint(0, 20, (2, 16))

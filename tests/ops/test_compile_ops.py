@@ -1,7 +1,7 @@
 """``torch.compile(fullgraph=True)`` through the attention ops: the sdpa backend's layouts (the combined one is a
 pair of custom ops with fake implementations) and the reference, compiled, against the float64 reference in eager,
 forward and backward; the custom ops pass ``torch.library.opcheck``. (aot_eager: the tracing and the autograd
-graph; inductor's code generation runs in tests/models/test_compile.py.)"""
+graph; inductor's code generation runs in tests/models/test_compile_models.py); DIFF V2 compiled too."""
 import pytest
 import torch
 
@@ -58,3 +58,35 @@ def test_combined_custom_ops_pass_opcheck(keep_maps, norm, monkeypatch):
     assert (maps.numel() > 0) == keep_maps and (a.numel() > 0) == norm
     bwd_args = (torch.randn_like(y), q12, k12, vt, lam, w, a, rstd, maps, comb, mask, empty, False, norm)
     torch.library.opcheck(torch.ops.diffmm.combined_diff_bwd, bwd_args)
+
+
+def test_diff_v2_fullgraph_compile_matches_eager_fp64():
+    """DIFF V2 (one standard sdpa call and its epilogue) under causal + key padding."""
+    from test_diff_v2 import make, v2_eager
+
+    q, k, v, lam = make(2, 7, 7, 4, 2, 8)
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[1, -3:] = False
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    torch._dynamo.reset()
+    out = torch.compile(ops.diff_v2_attention, fullgraph=True, backend="aot_eager")(*inputs, causal=True,
+                                                                                     attn_mask=pad, backend="sdpa")
+    ref = v2_eager(*ref_inputs, causal=True, pad=pad)
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn(out.shape, dtype=out.dtype)
+    for a, b in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, ref_inputs, g)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_combined_compiles_with_dynamic_shapes():
+    """One graph with symbolic sizes serves several sequence lengths (the fake implementation's chunk geometry)."""
+    torch._dynamo.reset()
+    fn = torch.compile(attention("combined"), fullgraph=True, backend="aot_eager", dynamic=True)
+    for N in (13, 29):
+        q, k, v, lam, _ = make_inputs(N=N, seed=N)
+        out, grads = run_and_grads(fn, q, k, v, lam, causal=True, lambda_init=0.2)
+        ref_out, ref_grads = run_and_grads(ops.diff_attention_reference, q, k, v, lam, causal=True, lambda_init=0.2)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, **TOL)
