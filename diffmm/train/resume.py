@@ -125,8 +125,6 @@ class TrainingProgress(pl.Callback):
         record = {**self.position(), "total_batches": self.total_batches, "global_step": trainer.global_step,
                   "world_size": trainer.world_size, "batch_size": getattr(dm, "batch_size", None),
                   "num_workers": getattr(dm, "num_workers", None), "rng": gathered}
-        if self.reshard:
-            record["reshard"] = self.reshard
         checkpoint[PROGRESS_KEY] = record
         checkpoint["epoch"] = self.epoch
         if "fit_loop" in (checkpoint.get("loops") or {}):

@@ -13,6 +13,7 @@ import torch
 
 from diffmm.train.callbacks import PredictionWriter
 from diffmm.train.datamodules import ImageTextDataModule
+from diffmm.train.resume import TrainingProgress
 
 
 class Recorder(pl.LightningModule):
@@ -49,8 +50,10 @@ def _dm(train, val=None, **kw):
 
 def _trainer(root, max_steps, **kw):
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    # TrainingProgress: where training stands, which the data follows (the diffmm CLI adds it)
     return pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[ckpt], default_root_dir=root, **kw)
+                      enable_model_summary=False, limit_val_batches=0, callbacks=[ckpt, TrainingProgress()],
+                      default_root_dir=root, **kw)
 
 
 def test_resume_mid_epoch_through_the_stateful_loader_protocol(tmp_path, image_text_data):
