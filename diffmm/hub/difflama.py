@@ -20,10 +20,9 @@ Layout differences handled here (E width, h differential heads, h_kv kv heads, d
   ``lambda_init='depth'``. Models with another lambda_init cannot be exported (one-line error).
 - Unsupported in both directions (one-line errors): biases, a non-SiLU MLP, RoPE scaling, standard attention.
 
-Files: a DiffLlama folder is ``config.json`` (``model_type: diffllama``) plus ``model.safetensors``
-or shards listed by ``model.safetensors.index.json``. ``diffmm.load_pretrained(folder)`` detects it. An export
-with a tokenizer also holds its files (:func:`~diffmm.hub.tokenizer_files.save_tokenizer`), so
-``AutoTokenizer.from_pretrained(folder)`` and ``lm_eval --model hf --model_args pretrained=folder`` work on it.
+Files: a DiffLlama folder is ``config.json`` (``model_type: diffllama``) plus ``model.safetensors`` or shards listed
+by ``model.safetensors.index.json`` (``diffmm.load_pretrained(folder)`` reads it); an export with a tokenizer also
+holds its files, so ``AutoTokenizer.from_pretrained(folder)`` and lm-eval's ``--model hf`` work on it.
 """
 from __future__ import annotations
 
@@ -35,7 +34,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from diffmm.hub.checkpoint import check_state_dict, load_state_file
+from diffmm.hub.checkpoint import load_state_file
+from diffmm.models.weights import check_state_dict
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -269,39 +269,3 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     with open(folder / "config.json", "w") as f:
         json.dump(hf_config, f, indent=2)
     return folder
-
-
-def load_difflama(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
-                  attn_backend: Optional[str] = None, trust_pickle: bool = False):
-    """A local DiffLlama folder -> :class:`~diffmm.models.lm.DiffLM` (eval mode).
-
-    Args:
-        path: folder with ``config.json`` and safetensors weights.
-        dtype: cast the model (default: float32).
-        attn_backend: ``diffmm.ops`` backend of every attention layer.
-        trust_pickle: accepted for ``load_pretrained`` uniformity; safetensors never needs it.
-    """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (expected a DiffLlama folder)")
-    cfg = hf_to_lm_config(read_json(folder / "config.json"), source=str(folder / "config.json"),
-                          attn_backend=attn_backend)
-    sd = from_difflama(load_state_file_folder(folder), cfg, source=str(folder))
-    model = DiffLM(cfg)
-    model.load_state_dict(sd, strict=True)
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
-
-
-def is_difflama_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder with a DiffLlama ``config.json`` (``model_type: diffllama``) and safetensors."""
-    path = Path(path)
-    cfg = path / "config.json"
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        model_type = read_json(cfg).get("model_type")
-    except (ValueError, OSError):
-        return False
-    return model_type == MODEL_TYPE and (any(path.glob("*.safetensors")) or (path / INDEX_FILE).is_file())

@@ -34,7 +34,8 @@ import torch
 from open_clip.tokenizer import SimpleTokenizer
 
 from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer
-from diffmm.hub.checkpoint import SAFE_GLOBALS, is_lightning_checkpoint, read_lightning
+from diffmm.hub.checkpoint import SAFE_GLOBALS, load_state_file
+from diffmm.hub.formats import is_lightning
 from diffmm.models.clip.tokenizer import CLIPTokenizer, clip_tokenizer_json
 from diffmm.models.hub_mixin import (CLIP_BPE, CLIP_CAPTION, SPECIAL_TOKENS_FILE, TOKENIZER_FILE,  # noqa: F401
                                      TOKENIZER_JSON, write_tokenizer_files)
@@ -96,7 +97,7 @@ def recorded_tokenizer(source: str | os.PathLike, *, trust_pickle: bool = False)
     """The tokenizer an LM source records, or None: a Lightning checkpoint's ``tokenizer`` hyper-parameter (the LM
     module's, else the data module's), an LM folder's own tokenizer files."""
     source = str(source)
-    if is_lightning_checkpoint(source):
+    if is_lightning(Path(source)):
         ckpt = _read_checkpoint(source, trust_pickle)
         for where in ("hyper_parameters", "datamodule_hyper_parameters"):
             spec = (ckpt.get(where) or {}).get("tokenizer")
@@ -119,4 +120,4 @@ def _read_checkpoint(path: str, trust_pickle: bool) -> dict:
             return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
     except (RuntimeError, ValueError, pickle.UnpicklingError):  # an old (non-zip) file, or one that needs
         # trust_pickle: read it as the loader does, with its one-line errors
-        return read_lightning(path, trust_pickle=trust_pickle)[2]
+        return load_state_file(path, trust_pickle=trust_pickle)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from diffmm.eval.classnames import get_classnames
 from diffmm.eval.image_sources import open_image_source
 from diffmm.eval.zeroshot import zero_shot
-from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
 from diffmm.hub.factory import apply_swap, create_model
 from diffmm.train.base import TrainModule
 from diffmm.train.losses import ContrastiveLoss
@@ -217,13 +216,6 @@ class CLIPModule(TrainModule):
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the config of diffmm's CLIP (swapped layers and preprocessing included) so that
-        ``diffmm.load_pretrained`` / ``diffmm eval --model CKPT`` rebuild the model without the training code."""
-        config = getattr(self.model, "config", None)
-        if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
-            checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
     def train(self, mode: bool = True) -> "CLIPModule":
         """Train mode, except the locked towers' encoders (they stay in eval mode)."""

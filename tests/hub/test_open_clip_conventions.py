@@ -16,7 +16,6 @@ from PIL import Image
 
 import diffmm
 from diffmm.hub.clip_convert import open_clip_to_diffmm
-from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.precision import PRECISIONS, input_dtype
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD
 from diffmm.models.clip.preprocess import transforms_for
@@ -114,7 +113,7 @@ def test_logit_bias_as_open_clip(oc_names, tmp_path):
         torch.testing.assert_close(loaded.get_logits(img, txt)[0], ref.get_logits(img, txt)[0], **TOL)
     # and a diffmm export keeps it
     model.output_dict = False
-    save_export(model, tmp_path / "export")
+    model.save_pretrained(tmp_path / "export")
     with torch.no_grad():
         for a, b in zip(diffmm.load_pretrained(tmp_path / "export")(img, txt), model(img, txt)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

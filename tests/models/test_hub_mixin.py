@@ -16,12 +16,13 @@ from safetensors import safe_open
 import diffmm
 from diffmm.cli import main as diffmm_main
 from diffmm.data.tokenizers import ClipBPE
-from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
+from diffmm.hub.formats import MODEL_KEY
 from diffmm.hub.tokenizer_files import load_folder_tokenizer
 from diffmm.models.clip.config import CLIPConfig
 from diffmm.models.clip.hf_text import PACKAGED_MODELS, HFTokenizer
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.tokenizer import CLIPTokenizer
+from diffmm.models.hub_mixin import model_record
 from diffmm.models.lm import DiffLM, LMConfig
 from hf_helpers import write_tiny_bert
 
@@ -211,7 +212,7 @@ def _lightning_ckpt(path: Path, model: torch.nn.Module, hparams: dict, **extra) 
 def test_export_writes_the_save_pretrained_folder(tmp_path):
     clip = clip_model("DiffCLIP-Tiny")
     ckpt = _lightning_ckpt(tmp_path / "clip.ckpt", clip, {"model_name": "DiffCLIP-Tiny"},
-                           **{MODEL_CONFIG_KEY: clip.config.to_dict()})
+                           **{MODEL_KEY: model_record(clip)})
     assert diffmm_main(["export", ckpt, str(tmp_path / "exported")]) == 0
     clip.save_pretrained(tmp_path / "saved")
     assert_same_folder(tmp_path / "exported", tmp_path / "saved")
