@@ -82,8 +82,9 @@ def model_kind(name: str) -> str:
         hint = ""
     raise UnknownModelError(f"unknown model {name!r}; accepted: a diffmm CLIP model name ({', '.join(list_models())}); "
                             f"an LM config name ({', '.join(LM_CONFIGS)}); open_clip:NAME (an open_clip architecture); "
-                            f"local-dir:FOLDER or hf-hub:ORG/REPO; a path to a model-config .json or to a checkpoint "
-                            f"diffmm.load_pretrained reads{hint}")
+                            f"local-dir:FOLDER or hf-hub:ORG/REPO; a path to a model-config .json, a Lightning .ckpt "
+                            f"from diffmm fit, an export folder or another checkpoint diffmm.load_pretrained "
+                            f"reads{hint}")
 
 
 def has_weights(name: str, pretrained: Optional[str]) -> bool:
@@ -101,9 +102,13 @@ def resolve_location(name: Union[str, os.PathLike]) -> Path:
     comes from the local Hugging Face cache, else is downloaded (not with ``HF_HUB_OFFLINE=1``)."""
     s = str(name)
     if s.startswith(HF_HUB):
+        repo, patterns = s[len(HF_HUB):], ["*.json", "*.safetensors", "*.bin", "*.txt"]
         try:
-            return Path(huggingface_hub.snapshot_download(s[len(HF_HUB):], allow_patterns=[
-                "*.json", "*.safetensors", "*.bin", "*.txt"]))
+            return Path(huggingface_hub.snapshot_download(repo, local_files_only=True))  # cached: no network
+        except Exception:
+            pass
+        try:
+            return Path(huggingface_hub.snapshot_download(repo, allow_patterns=patterns))
         except Exception as e:  # no network (or HF_HUB_OFFLINE), no such repository, ...
             raise ConnectionError(f"{s}: not in the local Hugging Face cache and could not be downloaded "
                                   f"({type(e).__name__}); download the folder elsewhere and load it with "
