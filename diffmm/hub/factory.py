@@ -249,10 +249,8 @@ def _load_into(model: nn.Module, pretrained: str, *, trust_pickle: bool = False,
     fields in ``keep``."""
     w = read_weights(resolve_location(pretrained), trust_pickle=trust_pickle, build=False)
     sd, cfg = w.state_dict, w.config
-    if w.kind == "name":  # a Lightning checkpoint without a model record: its model's own config
-        cfg = getattr(_build(w, str(pretrained)), "config", None)
     target = model.visual if w.kind == "visual" else model
-    where = f"{pretrained} (image tower)" if w.kind == "visual" else str(pretrained)
+    where = f"{w.source} (image tower)" if w.kind == "visual" else w.source
     _check_attention_types(target, sd, where)
     load_strict(target, sd, source=where)
     if isinstance(model, DiffCLIP) and isinstance(cfg, CLIPConfig):
@@ -338,10 +336,10 @@ def load_pretrained(path: Union[str, os.PathLike], *, format: Optional[str] = No
     """
     backend = kwargs.pop("attn_backend", None)
     local = resolve_location(path)
-    return _build(read_weights(local, format=format, attn_backend=backend, **kwargs), str(path), backend).eval()
+    return _build(read_weights(local, format=format, attn_backend=backend, **kwargs), backend).eval()
 
 
-def _build(w: Weights, source: str, backend: Optional[str] = None) -> nn.Module:
+def _build(w: Weights, backend: Optional[str] = None) -> nn.Module:
     """The model of :class:`~diffmm.hub.formats.Weights`, its state dict loaded strictly."""
     if w.kind == "name":  # rebuilt by name, as the training module built it (without its pretrained file)
         model = create_model(w.config["name"], swap=w.config["swap"], **w.config["kwargs"])
@@ -351,4 +349,4 @@ def _build(w: Weights, source: str, backend: Optional[str] = None) -> nn.Module:
         model = DiffCLIP(dataclasses.replace(w.config, attn_backend=backend))
     else:
         model = DiffmmHubMixin.kinds[w.kind](w.config)
-    return load_strict(model, w.state_dict, source=source)
+    return load_strict(model, w.state_dict, source=w.source)

@@ -40,10 +40,12 @@ OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.saf
 
 
 class Weights(NamedTuple):
-    """What a format reads: the model kind, its config (None: the file does not tell) and the state dict."""
+    """What a format reads: the model kind, its config (None: the file does not tell), the state dict and the file
+    it came from (for errors)."""
     kind: str
     config: Any
     state_dict: dict[str, torch.Tensor]
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _read_difflama(path: Path, *, attn_backend: Optional[str] = None, **unused) 
 def _read_export(path: Path, **overrides) -> Weights:
     overrides = {k: v for k, v in overrides.items() if v is not None and k not in ("trust_pickle", "build")}
     cls, config, sd = read_export(path, **overrides)
-    return Weights(cls.export_kind, config, sd)
+    return Weights(cls.export_kind, config, sd, str(path / WEIGHTS))
 
 
 def _run_model_name(path: Path, ckpt_name: Any) -> Optional[str]:
@@ -154,15 +156,15 @@ def _read_open_clip(path: Path, *, trust_pickle: bool = False, model_name: Optio
     if oc_cfg is not None:
         cfg = from_open_clip_config(oc_cfg if quick_gelu is None else {**oc_cfg, "quick_gelu": quick_gelu},
                                     source=str(path))
-        return Weights("clip", cfg, sd)
+        return Weights("clip", cfg, sd, str(path))
     if not build:
-        return Weights("clip", None, sd)  # loaded into a model that has its own config
+        return Weights("clip", None, sd, str(path))  # loaded into a model that has its own config
     if head_width is None or text_head_width is None:
         log.warning("%s: the file names no open_clip architecture; assumed 64-wide attention heads (shapes do not "
                     "tell them): pass model_name=NAME (open_clip's) or head_width= / text_head_width=", path)
     cfg = infer_open_clip_config(raw, head_width=head_width or 64, text_head_width=text_head_width or 64,
                                  quick_gelu=bool(quick_gelu), source=str(path))
-    return Weights("clip", cfg, sd)
+    return Weights("clip", cfg, sd, str(path))
 
 
 def _weights_in(folder: Path) -> Path:
@@ -239,4 +241,5 @@ def find_format(path: Path, name: Optional[str] = None) -> Format:
 
 def read_weights(path: Path, *, format: Optional[str] = None, **options: Any) -> Weights:
     """``Weights`` of a local file or folder in any format of :data:`FORMATS` (``options`` go to its reader)."""
-    return find_format(path, format).read(path, **options)
+    w = find_format(path, format).read(path, **options)
+    return w if w.source else w._replace(source=str(path))

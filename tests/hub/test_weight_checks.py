@@ -10,10 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diffmm
-from diffmm.hub.checkpoint import DamagedFileError, check_state_dict, load_state_file, torch_file_damage
+from diffmm.hub.checkpoint import DamagedFileError, load_state_file, torch_file_damage
 from diffmm.hub.difflama import save_difflama
 from diffmm.cli import main as diffmm_main
 from diffmm.models.lm import DiffLM, LMConfig
+from diffmm.models.weights import check_state_dict
 
 TINY_CLIP = {"embed_dim": 16, "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 1,
                                              "head_width": 8},
