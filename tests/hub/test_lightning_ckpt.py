@@ -97,3 +97,22 @@ def test_eval_and_export_take_a_checkpoint(tmp_path, caplog, capsys):
     assert any("random weights" in r.message for r in caplog.records)
     assert diffmm_main(["export", str(tmp_path / "out"), str(tmp_path / "o2"), "--model", "CLIP-Tiny"]) == 2
     assert "--model / --model_config choose the architecture of a Lightning checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["clip", "lm"])
+def test_training_modules_write_the_model_record(tmp_path, kind):
+    """What the modules save rebuilds the model with no hyper-parameters at all (nothing replayed or guessed)."""
+    from diffmm.train.clip_module import CLIPModule
+    from diffmm.train.lm_module import LMModule
+
+    torch.manual_seed(0)
+    if kind == "clip":
+        module = CLIPModule("OpenCLIP-Tiny", model_kwargs=SMALL, swap={"init": "upcycle", "layers": [1]})
+    else:
+        module = LMModule("diff-tiny", model_kwargs={"n_layer": 1, "vocab_size": 100}, tokenizer=None)
+    ckpt = {"pytorch-lightning_version": "2.6.6", "hyper_parameters": {}, "state_dict": module.state_dict()}
+    module.on_save_checkpoint(ckpt)
+    assert ckpt[MODEL_KEY] == model_record(module.model)
+    torch.save(ckpt, tmp_path / "m.ckpt")
+    model = diffmm.load_pretrained(tmp_path / "m.ckpt")
+    assert model.config == module.model.config and _same(model, module.model)
