@@ -88,8 +88,9 @@ def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_
     if path.suffix == ".safetensors":
         return load_file(str(path), device=map_location)
     try:
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            return torch.load(path, map_location=map_location, weights_only=not trust_pickle)
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):  # zip files memory-mapped: tensors stay on disk
+            return torch.load(path, map_location=map_location, weights_only=not trust_pickle,
+                              mmap=zipfile.is_zipfile(path))
     except Exception as e:  # weights_only refusal surfaces as UnpicklingError / RuntimeError
         if not trust_pickle and ("weights_only" in str(e) or "Unsupported global" in str(e)):
             raise PermissionError(f"{path}: refusing to unpickle non-tensor objects; {TRUST_HINT}") from None
