@@ -15,8 +15,7 @@ Layout differences handled here (E width, h differential heads, h_kv kv heads, d
   columns, ``o_proj = out_proj * g.repeat(h)[None, :]``. Importing gives ``g = 1`` and
   ``out_proj = o_proj``, so DiffLlama -> diffmm -> DiffLlama is bit-exact; diffmm -> DiffLlama ->
   diffmm is exact as a function (g moves into ``out_proj``; bit-exact when g is all ones).
-- lambda: same formula, and transformers computes ``lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx)``
-  (0-based; checked in transformers 5.24 ``modeling_diffllama.lambda_init_fn``) = diffmm's
+- lambda: same formula; transformers' ``lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx)`` (0-based) is diffmm's
   ``lambda_init='depth'``. Models with another lambda_init cannot be exported (one-line error).
 - Unsupported in both directions (one-line errors): biases, a non-SiLU MLP, RoPE scaling, standard attention.
 
@@ -130,30 +129,41 @@ def hf_to_lm_config(hf: dict[str, Any], *, source: str = "config.json", **overri
 
 
 # ------------------------------------------------------------------------------------- state dicts
+#: per-layer keys (diffmm, DiffLlama) and the q/k/v rows permuted between them (``'q'``: h heads, ``'kv'``: h_kv)
+_LAYER_KEYS = [("attn_norm.weight", "input_layernorm.weight", None),
+               ("mlp_norm.weight", "post_attention_layernorm.weight", None),
+               ("attn.q_proj.weight", "self_attn.q_proj.weight", "q"),
+               ("attn.k_proj.weight", "self_attn.k_proj.weight", "kv"),
+               ("attn.v_proj.weight", "self_attn.v_proj.weight", "kv"),
+               ("attn.out_proj.weight", "self_attn.o_proj.weight", None)]
+_LAYER_KEYS += [(f"mlp.{n}.weight", f"mlp.{n}.weight", None) for n in ("gate_proj", "up_proj", "down_proj")]
+_LAYER_KEYS += [(f"attn.{n}", f"self_attn.{n}", None) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+
+
+def _convert(sd: dict[str, torch.Tensor], cfg, to_hf: bool) -> dict[str, torch.Tensor]:
+    """The per-layer keys of :data:`_LAYER_KEYS` renamed (and q/k/v rows permuted) one way or the other."""
+    heads = {"q": cfg.n_head // 2, "kv": cfg.n_kv_head // 2}
+    permute = interleaved_to_blocks if to_hf else blocks_to_interleaved
+    out = {}
+    for i in range(cfg.n_layer):
+        for ours, theirs, rows in _LAYER_KEYS:
+            src, dst = (f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}")[::1 if to_hf else -1]
+            out[dst] = permute(sd[src], heads[rows], cfg.head_dim) if rows else sd[src]
+    return out
+
+
 def to_difflama(state_dict: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """diffmm DiffLM state dict -> DiffLlama state dict (see the module docstring for the mapping)."""
     _check_exportable(cfg)
-    h, hk, d = cfg.n_head // 2, cfg.n_kv_head // 2, cfg.head_dim
     sd = state_dict
-    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm.weight"]}
+    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm.weight"],
+           **_convert(sd, cfg, to_hf=True)}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.n_layer):
-        s, p = f"blocks.{i}.", f"model.layers.{i}."
-        g = sd[s + "attn.diff_norm.weight"]  # (2d,)
-        out.update({
-            p + "input_layernorm.weight": sd[s + "attn_norm.weight"],
-            p + "post_attention_layernorm.weight": sd[s + "mlp_norm.weight"],
-            p + "self_attn.q_proj.weight": interleaved_to_blocks(sd[s + "attn.q_proj.weight"], h, d),
-            p + "self_attn.k_proj.weight": interleaved_to_blocks(sd[s + "attn.k_proj.weight"], hk, d),
-            p + "self_attn.v_proj.weight": interleaved_to_blocks(sd[s + "attn.v_proj.weight"], hk, d),
-            p + "self_attn.o_proj.weight": sd[s + "attn.out_proj.weight"] * g.repeat(h)[None, :],
-            p + "mlp.gate_proj.weight": sd[s + "mlp.gate_proj.weight"],
-            p + "mlp.up_proj.weight": sd[s + "mlp.up_proj.weight"],
-            p + "mlp.down_proj.weight": sd[s + "mlp.down_proj.weight"],
-        })
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            out[p + "self_attn." + name] = sd[s + "attn." + name]
+    for i in range(cfg.n_layer):  # the per-head norm's weight g goes into o_proj's columns
+        g = sd[f"blocks.{i}.attn.diff_norm.weight"]
+        out[f"model.layers.{i}.self_attn.o_proj.weight"] = out[f"model.layers.{i}.self_attn.o_proj.weight"] * \
+            g.repeat(cfg.n_head // 2)[None, :]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -173,26 +183,11 @@ def from_difflama(state_dict: dict[str, torch.Tensor], cfg, *, source: str = "Di
             raise KeyError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
                            f"tie_word_embeddings is true")
     check_state_dict(sd, expected, source=source)
-    h, hk, d = cfg.n_head // 2, cfg.n_kv_head // 2, cfg.head_dim
-    out = {"wte.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    out["lm_head.weight"] = sd["model.embed_tokens.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
+    emb = sd["model.embed_tokens.weight"]
+    out = {"wte.weight": emb, "norm.weight": sd["model.norm.weight"],
+           "lm_head.weight": emb if cfg.tie_embeddings else sd["lm_head.weight"], **_convert(sd, cfg, to_hf=False)}
     for i in range(cfg.n_layer):
-        s, p = f"blocks.{i}.", f"model.layers.{i}."
-        o = sd[p + "self_attn.o_proj.weight"]
-        out.update({
-            s + "attn_norm.weight": sd[p + "input_layernorm.weight"],
-            s + "mlp_norm.weight": sd[p + "post_attention_layernorm.weight"],
-            s + "attn.q_proj.weight": blocks_to_interleaved(sd[p + "self_attn.q_proj.weight"], h, d),
-            s + "attn.k_proj.weight": blocks_to_interleaved(sd[p + "self_attn.k_proj.weight"], hk, d),
-            s + "attn.v_proj.weight": blocks_to_interleaved(sd[p + "self_attn.v_proj.weight"], hk, d),
-            s + "attn.out_proj.weight": o,
-            s + "attn.diff_norm.weight": torch.ones(2 * d, dtype=o.dtype, device=o.device),
-            s + "mlp.gate_proj.weight": sd[p + "mlp.gate_proj.weight"],
-            s + "mlp.up_proj.weight": sd[p + "mlp.up_proj.weight"],
-            s + "mlp.down_proj.weight": sd[p + "mlp.down_proj.weight"],
-        })
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            out[s + "attn." + name] = sd[p + "self_attn." + name]
+        out[f"blocks.{i}.attn.diff_norm.weight"] = torch.ones(2 * cfg.head_dim, dtype=emb.dtype, device=emb.device)
     return out
 
 
