@@ -10,8 +10,7 @@ from typing import Iterable, Protocol
 from open_clip.tokenizer import SimpleTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from diffmm.models.clip.tokenizer import clip_tokenizer_json
-from diffmm.models.hub_mixin import CLIP_BPE, TOKENIZER_JSON, write_tokenizer_files
+from diffmm.models.clip.tokenizer import CLIP_BPE, TOKENIZER_JSON, clip_tokenizer_json, write_tokenizer_files
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 

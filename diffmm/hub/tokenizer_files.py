@@ -11,7 +11,7 @@ from typing import Any
 from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer
 from diffmm.hub.checkpoint import load_state_file
 from diffmm.hub.formats import is_lightning
-from diffmm.models.hub_mixin import CLIP_BPE, CLIP_CAPTION, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from diffmm.models.clip.tokenizer import CLIP_BPE, CLIP_CAPTION, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 
 def load_tokenizer_spec(spec: str | os.PathLike):
@@ -29,7 +29,8 @@ def load_tokenizer_spec(spec: str | os.PathLike):
     if config.get("diffmm_tokenizer") == CLIP_CAPTION:
         raise ValueError(f"{config_path}: a CLIP caption tokenizer (diffmm_tokenizer: clip-caption), not an LM's")
     eos = config.get("eos_token")
-    return TokenizerFile(str(Path(spec) / TOKENIZER_FILE), eos_token=eos.get("content") if isinstance(eos, dict) else eos)
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return TokenizerFile(str(Path(spec) / TOKENIZER_FILE), eos_token=eos)
 
 
 def recorded_tokenizer(source: str | os.PathLike, *, trust_pickle: bool = False) -> Any:

@@ -7,8 +7,8 @@
   sentence saying this is not a transformers model and what to use instead, so that transformers' error on
   ``AutoModelForCausalLM.from_pretrained(folder)`` shows it (transformers has no class for it).
 - ``model.safetensors``: the state dict, tied (aliased) weights written once.
-- the tokenizer, when one is known: ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``special_tokens_map.json``
-  for diffmm's own tokenizers; :func:`write_tokenizer_files`), which ``transformers.AutoTokenizer`` loads.
+- the tokenizer, when one is known (it writes itself: ``save_pretrained(folder)``; diffmm's tokenizers write the
+  files ``transformers.AutoTokenizer`` loads, :func:`diffmm.models.clip.tokenizer.write_tokenizer_files`).
 - ``README.md``: the model card (kept when the folder already has one).
 
 Loading checks every key and shape in one error (no partial loads). ``push_to_hub`` is the mixin's: it saves to a
@@ -28,7 +28,6 @@ import torch
 import torch.nn as nn
 from huggingface_hub import PyTorchModelHubMixin
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
 
 from diffmm.models.weights import DamagedFileError, load_strict, safetensors_damage, unique_state_dict
 
@@ -47,12 +46,6 @@ MODEL_TYPES = {
     "clip": "diffmm_clip (a diffmm export, not a transformers model: load it with diffmm.load_pretrained or "
             "DiffCLIP.from_pretrained)",
 }
-
-#: tokenizer files of a folder (``transformers.AutoTokenizer`` reads them)
-TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE = "tokenizer.json", "tokenizer_config.json", \
-    "special_tokens_map.json"
-#: ``diffmm_tokenizer`` values of tokenizer_config.json: which diffmm tokenizer the files hold
-CLIP_BPE, CLIP_CAPTION, TOKENIZER_JSON = "clip-bpe", "clip-caption", "tokenizer.json"
 
 MODEL_CARD = """---
 {{ card_data }}
@@ -116,31 +109,6 @@ def read_export(folder: Union[str, os.PathLike], **overrides: Any) -> tuple[type
     if damage is not None:
         raise DamagedFileError(f"{w_path}: {damage}")
     return cls, config, load_file(str(w_path))
-
-
-def write_tokenizer_files(tok: Tokenizer, folder: Union[str, os.PathLike], *, kind: str, eos: str,
-                          bos: Optional[str] = None, pad: Optional[str] = None,
-                          model_max_length: Optional[int] = None) -> list[Path]:
-    """Write a ``tokenizers`` pipeline as ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
-    (``transformers.AutoTokenizer`` loads them as a fast tokenizer); returns the files.
-
-    Args:
-        tok: the pipeline.
-        kind: the ``diffmm_tokenizer`` entry (:data:`CLIP_BPE`, :data:`CLIP_CAPTION`, :data:`TOKENIZER_JSON`).
-        eos / bos / pad: the special tokens transformers should name (no bos: none is added).
-        model_max_length: the context length recorded for transformers (None: unlimited).
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / TOKENIZER_FILE))
-    special = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False,
-              "model_max_length": int(model_max_length) if model_max_length else int(1e30), "diffmm_tokenizer": kind}
-    if pad:
-        config["pad_token"] = pad
-    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=2) + "\n")
-    return [folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE, folder / SPECIAL_TOKENS_FILE]
 
 
 def save_tokenizer_object(tokenizer: Any, folder: Path, model_max_length: Optional[int] = None) -> None:
