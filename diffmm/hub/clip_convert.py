@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, Iterable, NamedTuple, Optional, Union
 
 import torch
 
@@ -166,35 +166,33 @@ def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tenso
     return out
 
 
-def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
-                          source: str = "checkpoint") -> CLIPConfig:
-    """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
-
-    Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
-    lambda vectors is standard attention with 64-wide heads. The image tower has timm's keys under ``visual.``
-    (:func:`infer_timm_vit_config`, with LayerNorm eps 1e-5).
-    """
+def infer_clip_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, text_head_width: int = 64,
+                      act: Optional[str] = None, lambda_init: Union[str, float] = "constant", norm_eps: float = 1e-5,
+                      source: str = "checkpoint") -> CLIPConfig:
+    """A :class:`CLIPConfig` from the shapes of a state dict in diffmm's layout (what the official DiffCLIP files
+    and converted open_clip files are). Differential heads come from the lambda vectors; standard heads are
+    ``head_width`` / ``text_head_width`` wide (shapes do not tell; open_clip's default 64). The image tower has
+    timm's keys under ``visual.`` (:func:`infer_timm_vit_config`); ``act`` is both towers' (None: GELU for the
+    image tower, QuickGELU for the text tower, as DiffCLIP)."""
     def need(key: str) -> Tensor:
         if key not in sd:
-            raise KeyError(f"{source}: missing key {key} (not a DiffCLIP-layout checkpoint)")
+            raise KeyError(f"{source}: missing key {key} (not a CLIP checkpoint in a layout diffmm reads)")
         return sd[key]
-
-    def count(pattern: str) -> int:
-        idx = {int(m.group(1)) for k in sd for m in [re.match(pattern, k)] if m}
-        return max(idx) + 1 if idx else 0
 
     need("visual.patch_embed.proj.weight")  # a missing image tower names the layout, not a bare key
     vision = infer_timm_vit_config({k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")},
-                                   norm_eps=1e-5, lambda_init=lambda_init, source=source)
+                                   head_width=head_width, norm_eps=norm_eps, lambda_init=lambda_init, source=source)
     ctx, tw = need("positional_embedding").shape
     t_diff = "transformer.resblocks.0.attn.lambda_q1" in sd
-    t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else 64
-    c_fc = need("transformer.resblocks.0.mlp.c_fc.weight")
+    t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else text_head_width
+    layers = {int(m.group(1)) for k in sd for m in [re.match(r"transformer\.resblocks\.(\d+)\.", k)] if m}
     text = TextCfg(context_length=ctx, vocab_size=need("token_embedding.weight").shape[0], width=tw,
-                   heads=max(tw // t_head, 1), layers=count(r"^transformer\.resblocks\.(\d+)\."),
-                   mlp_ratio=c_fc.shape[0] / tw, attn_type="diff" if t_diff else "standard", lambda_init=lambda_init)
-    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=vision, text_cfg=text,
-                     init_logit_bias=float(sd["logit_bias"]) if "logit_bias" in sd else None)
+                   heads=max(tw // t_head, 1), layers=max(layers) + 1 if layers else 0,
+                   mlp_ratio=need("transformer.resblocks.0.mlp.c_fc.weight").shape[0] / tw,
+                   attn_type="diff" if t_diff else "standard", lambda_init=lambda_init, act=act or "quick_gelu")
+    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=dataclasses.replace(
+        vision, act=act or vision.act), text_cfg=text,
+        init_logit_bias=float(sd["logit_bias"]) if "logit_bias" in sd else None)
     cfg.validate(source)
     return cfg
 
@@ -273,49 +271,6 @@ def _first(x):
             raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
         return x[0]
     return x
-
-
-def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,
-                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> CLIPConfig:
-    """A diffmm config (standard attention, open_clip layout) from the shapes of an open_clip CLIP state dict.
-
-    Shapes do not tell the number of heads or the activation: pass ``head_width`` / ``text_head_width`` /
-    ``quick_gelu`` (or load with ``model_name=`` / an ``open_clip_config.json``) when they differ from
-    open_clip's defaults (64-wide heads, GELU).
-    """
-    def need(key: str) -> Tensor:
-        if key not in sd:
-            raise KeyError(f"{source}: missing key {key} (not an open_clip ViT CLIP checkpoint)")
-        return sd[key]
-
-    def count(prefix: str) -> int:
-        idx = {int(m.group(1)) for k in sd for m in [re.match(re.escape(prefix) + r"(\d+)\.", k)] if m}
-        return max(idx) + 1 if idx else 0
-
-    ctx, tw = need("positional_embedding").shape
-    oc = {
-        "embed_dim": need("text_projection").shape[1],
-        "quick_gelu": quick_gelu,
-        "init_logit_bias": float(sd["logit_bias"]) if "logit_bias" in sd else None,  # SigLIP-style bias
-        "text_cfg": {"context_length": ctx, "vocab_size": need("token_embedding.weight").shape[0], "width": tw,
-                     "heads": max(tw // text_head_width, 1), "layers": count("transformer.resblocks."),
-                     "mlp_ratio": need("transformer.resblocks.0.mlp.c_fc.weight").shape[0] / tw},
-    }
-    if "visual.trunk.patch_embed.proj.weight" in sd:  # a timm tower (open_clip's TimmModel)
-        trunk = timm_vit_to_diffmm({k[len("visual.trunk."):]: v for k, v in sd.items()
-                                    if k.startswith("visual.trunk.")}, prefix="", source=source)
-        cfg = dataclasses.replace(from_open_clip_config(oc, source=source),
-                                  vision_cfg=infer_timm_vit_config(trunk, head_width=head_width, source=source))
-        cfg.validate(source)
-        return cfg
-    conv = need("visual.conv1.weight")  # (W, 3, p, p)
-    vw, p = conv.shape[0], conv.shape[-1]
-    grid = int(round((need("visual.positional_embedding").shape[0] - 1) ** 0.5))
-    oc["vision_cfg"] = {"image_size": grid * p, "patch_size": p, "width": vw, "head_width": head_width,
-                        "layers": count("visual.transformer.resblocks."),
-                        "mlp_ratio": need("visual.transformer.resblocks.0.mlp.c_fc.weight").shape[0] / vw,
-                        "no_ln_pre": "visual.ln_pre.weight" not in sd}
-    return from_open_clip_config(oc, source=source)
 
 
 def infer_timm_vit_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, norm_eps: float = 1e-6,

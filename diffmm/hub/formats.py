@@ -17,9 +17,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from diffmm.hub.checkpoint import load_state_file, peek_keys, raise_if_damaged, read_state_dict
-from diffmm.hub.clip_convert import (from_open_clip_config, infer_official_config, infer_open_clip_config,
-                                     infer_timm_vit_config, key_layout, mha_text_to_diffmm, open_clip_to_diffmm,
-                                     timm_vit_to_diffmm)
+from diffmm.hub.clip_convert import (from_open_clip_config, infer_clip_config, infer_timm_vit_config, key_layout,
+                                     mha_text_to_diffmm, open_clip_to_diffmm, timm_vit_to_diffmm)
 from diffmm.hub.difflama import MODEL_TYPE, from_difflama, hf_to_lm_config, load_state_file_folder, read_json
 from diffmm.hub.open_clip_models import open_clip_config
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig, load_config_file
@@ -162,8 +161,9 @@ def _read_open_clip(path: Path, *, trust_pickle: bool = False, model_name: Optio
     if head_width is None or text_head_width is None:
         log.warning("%s: the file names no open_clip architecture; assumed 64-wide attention heads (shapes do not "
                     "tell them): pass model_name=NAME (open_clip's) or head_width= / text_head_width=", path)
-    cfg = infer_open_clip_config(raw, head_width=head_width or 64, text_head_width=text_head_width or 64,
-                                 quick_gelu=bool(quick_gelu), source=str(path))
+    cfg = infer_clip_config(sd, head_width=head_width or 64, text_head_width=text_head_width or 64,
+                            act="quick_gelu" if quick_gelu else "gelu", source=str(path),
+                            norm_eps=1e-6 if key_layout(raw) == "open_clip_timm" else 1e-5)  # timm's LayerNorm eps
     return Weights("clip", cfg, sd, str(path))
 
 
@@ -186,7 +186,7 @@ def _read_official(path: Path, *, trust_pickle: bool = False, lambda_init: str |
     if preprocess not in ("auto", "official", "openai"):
         raise ValueError(f"preprocess {preprocess!r}; expected auto, official or openai")
     sd = mha_text_to_diffmm(read_state_dict(path, trust_pickle=trust_pickle), source=str(path))
-    cfg = infer_official_config(sd, lambda_init=lambda_init, source=str(path))
+    cfg = infer_clip_config(sd, lambda_init=lambda_init, source=str(path))
     keys = peek_keys(path)
     if preprocess == "official" or (preprocess == "auto" and ("best_acc1" in keys
                                                               or any(k.startswith("module.") for k in keys))):
