@@ -14,7 +14,8 @@ Top-level API (open_clip's where it overlaps; model names and weights: :mod:`dif
 import open_clip (only ``open_clip:`` names, tokenizers and open_clip's own models do), Lightning or webdataset.
 """
 import diffmm.models.timm_models  # noqa: F401  (registers the diffmm_* ViTs with timm)
-from diffmm.hub.factory import create_model, create_model_and_transforms, get_tokenizer, list_pretrained, load_pretrained
+from diffmm.hub.factory import (create_model, create_model_and_transforms, get_tokenizer, list_pretrained,
+                                load_pretrained)
 from diffmm.models.clip.config import list_models
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.models.swap import swap_attention
