@@ -149,7 +149,9 @@ def _read_open_clip(path: Path, *, trust_pickle: bool = False, model_name: Optio
     raw = read_state_dict(path, obj=ckpt)
     model_name = model_name or (None if oc_cfg or head_width or text_head_width
                                 else _run_model_name(path, ckpt.get("name") if isinstance(ckpt, dict) else None))
-    if model_name is not None:
+    if model_name is not None and model_name.startswith("local-dir:"):  # open_clip's own folder rule
+        oc_cfg = read_json(Path(model_name[len("local-dir:"):]) / OPEN_CLIP_CONFIG).get("model_cfg")
+    elif model_name is not None:
         oc_cfg = open_clip_config(model_name)
     sd = open_clip_to_diffmm(raw, source=str(path))
     if oc_cfg is not None:

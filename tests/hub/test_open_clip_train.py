@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
+import numpy as np
 import open_clip
 import pytest
 import torch
+from PIL import Image
 
 import diffmm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # heads 16 wide: shapes alone would give 64-wide heads, another model
 OC_NARROW = {"embed_dim": 32,
@@ -107,3 +114,30 @@ def test_timm_tower_route(tmp_path, names):
     assert_features(model, ref, 64, 32)
     into = diffmm.create_model("DiffCLIP-dagger-Tiny", pretrained=str(path))
     assert_features(into, ref, 64, 32)
+
+
+def test_training_diffmm_towers_with_open_clip_train(tmp_path):
+    """The documented way (docs/models.md): open_clip_train.main run by a one-line wrapper that imports diffmm
+    (which registers the diffmm_* timm towers), the architecture an open_clip folder (``local-dir:``); its
+    checkpoint loads into diffmm's DiffCLIP with the trained model's outputs."""
+    rng = np.random.default_rng(0)
+    rows = ["filepath,title"]
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(f"{tmp_path / f'{i}.png'},a photo number {i}")
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "arch").mkdir()
+    (tmp_path / "arch" / "open_clip_config.json").write_text(json.dumps({"model_cfg": OC_TIMM}))
+    cmd = [sys.executable, "-c", "import sys, diffmm; from open_clip_train.main import main; main(sys.argv[1:])",
+           "--model", f"local-dir:{tmp_path / 'arch'}", "--train-data", str(tmp_path / "train.csv"),
+           "--dataset-type", "csv", "--csv-separator", ",", "--batch-size", "2", "--epochs", "1", "--workers", "0", "--lr", "1e-3",
+           "--logs", str(tmp_path / "logs"), "--name", "run", "--device", "cpu", "--precision", "fp32"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    path = tmp_path / "logs" / "run" / "checkpoints" / "epoch_1.pt"
+    model = diffmm.load_pretrained(path)  # the architecture from params.txt (model: local-dir:...)
+    assert model.config == diffmm.create_model("DiffCLIP-dagger-Tiny").config
+    ref = open_clip.create_model(f"local-dir:{tmp_path / 'arch'}")
+    ref.load_state_dict({k.removeprefix("module."): v for k, v in torch.load(path)["state_dict"].items()})
+    assert_features(model, ref.eval(), 64, 32)
