@@ -10,7 +10,7 @@ import torch
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
 from diffmm.eval.common import EvalError, resolve_device
 from diffmm.hub.factory import create_model, has_weights, random_weights_message
-from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer
+from diffmm.hub.export import recorded_tokenizer
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
 from diffmm.models.lm import DiffLM
 
@@ -61,8 +61,8 @@ def load_lm(lm: str, *, vocab_size: Optional[int] = None, block_size: Optional[i
 def lm_tokenizer(lm: str, tokenizer: Optional[str] = None) -> LMTokenizer:
     """The tokenizer ``tokenizer`` names (``clip``, a ``tokenizer.json`` or a folder holding one); by default the one
     the LM records (a Lightning checkpoint's ``tokenizer`` hyper-parameter, an LM folder's tokenizer files:
-    :func:`~diffmm.hub.tokenizer_files.recorded_tokenizer`), else the CLIP BPE."""
+    :func:`~diffmm.hub.export.recorded_tokenizer`), else the CLIP BPE."""
     if tokenizer is not None:
-        return load_tokenizer_spec(tokenizer)
+        return load_lm_tokenizer(tokenizer)
     recorded = recorded_tokenizer(lm)
     return load_lm_tokenizer("clip") if recorded is None else recorded

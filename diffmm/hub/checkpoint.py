@@ -54,22 +54,15 @@ def torch_file_damage(path: str | os.PathLike) -> Optional[str]:
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
-def raise_if_damaged(path: str | os.PathLike) -> None:
-    """Raise :class:`DamagedFileError` naming ``path`` when a ``.safetensors`` or torch file is unreadable.
-
-    Cheap: reads headers and the pickle record, never the tensors. Other files are left to their readers.
-    """
+def raise_if_damaged(path: str | os.PathLike, *, any_suffix: bool = False) -> None:
+    """Raise :class:`DamagedFileError` naming ``path`` when a ``.safetensors`` or torch file (any file but
+    ``.safetensors`` with ``any_suffix``) is unreadable. Cheap: reads headers and the pickle record, never the
+    tensors."""
     p = Path(path)
-    if not p.is_file():
-        return
-    if p.suffix == ".safetensors":
-        damage = safetensors_damage(p)
-    elif p.suffix in TORCH_SUFFIXES:
-        damage = torch_file_damage(p)
-    else:
-        return
-    if damage is not None:
-        raise DamagedFileError(f"{p}: {damage}")
+    if p.is_file() and (p.suffix in (".safetensors", *TORCH_SUFFIXES) or any_suffix):
+        damage = safetensors_damage(p) if p.suffix == ".safetensors" else torch_file_damage(p)
+        if damage is not None:
+            raise DamagedFileError(f"{p}: {damage}")
 
 
 def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_location: str = "cpu") -> Any:
@@ -82,9 +75,7 @@ def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
-    damage = safetensors_damage(path) if path.suffix == ".safetensors" else torch_file_damage(path)
-    if damage is not None:
-        raise DamagedFileError(f"{path}: {damage}")
+    raise_if_damaged(path, any_suffix=True)
     if path.suffix == ".safetensors":
         return load_file(str(path), device=map_location)
     try:

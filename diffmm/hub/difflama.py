@@ -237,7 +237,7 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
         model: a :class:`~diffmm.models.lm.DiffLM` with ``attention='diff'`` and depth lambda_init.
         dtype: cast floating tensors (default: keep).
         tokenizer: the LM's tokenizer (an object with ``save_pretrained(folder)``, ``vocab_size`` and ``eos_id``:
-            ``ClipBPE``, ``TokenizerFile``; :func:`~diffmm.hub.tokenizer_files.load_tokenizer_spec` reads one from
+            ``ClipBPE``, ``TokenizerFile``; :func:`~diffmm.data.tokenizers.load_lm_tokenizer` reads one from
             ``clip`` or a path); its files are written too, and its eos id goes into ``config.json``.
     """
     cfg = model.config

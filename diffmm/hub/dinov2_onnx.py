@@ -11,8 +11,7 @@ LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. Its exporte
 - the position embedding split by constant folding: the class position ``(1, 1, 384)`` feeds the embeddings'
   ``Concat``, the patch positions ``(1, 1369, 384)`` (a 37 x 37 grid, DINOv2's 518 px) its ``Reshape``, then a
   bicubic ``Resize`` (half-pixel, a = -0.75, no antialias) to the input's grid. The input is ``(B, 3, 224, 224)``,
-  ImageNet-normalised outside the graph; the backbone output is the final LayerNorm's (the output of the node
-  that adds ``backbone.layernorm.bias``).
+  ImageNet-normalised outside the graph; the backbone output is the final LayerNorm's.
 
 :func:`load_dinov2_onnx` rebuilds the Hugging Face state dict from the graph and maps it onto timm's keys, with
 the patch positions resampled once to ``img_size`` as Hugging Face (and the ONNX graph) does at run time, so
@@ -106,14 +105,6 @@ def _consumers(graph) -> dict[str, list]:
         for name in node.input:
             out.setdefault(name, []).append(node)
     return out
-
-
-def backbone_output_name(graph, prefix: str = "backbone.") -> str:
-    """The name of the backbone's output tensor: the output of the node that adds ``{prefix}layernorm.bias``."""
-    users = _consumers(graph).get(f"{prefix}layernorm.bias", [])
-    if len(users) != 1:
-        raise KeyError(f"ONNX graph: expected one node using {prefix}layernorm.bias, found {len(users)}")
-    return users[0].output[0]
 
 
 def onnx_hf_state_dict(path: Union[str, os.PathLike], prefix: str = "backbone.") -> dict[str, torch.Tensor]:

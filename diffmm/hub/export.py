@@ -1,6 +1,6 @@
 """``diffmm export``: write an export folder (``config.json`` + ``model.safetensors``) from any checkpoint: diffmm's
 own format, or for an LM with differential attention the Hugging Face DiffLlama format (``--format difflama``).
-An LM's folder also holds its tokenizer files (:mod:`diffmm.hub.tokenizer_files`).
+An LM's folder also holds its tokenizer files.
 
 Examples::
 
@@ -12,15 +12,18 @@ Examples::
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
+from diffmm.data.tokenizers import load_lm_tokenizer
+from diffmm.hub.checkpoint import load_state_file
 from diffmm.hub.difflama import save_difflama
 from diffmm.hub.factory import create_model, has_weights, load_pretrained, random_weights_message
 from diffmm.hub.formats import is_lightning
-from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer
+from diffmm.models.clip.tokenizer import TOKENIZER_FILE
 from diffmm.models.hub_mixin import DiffmmHubMixin
 from diffmm.models.lm import DiffLM
 
@@ -69,7 +72,7 @@ def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] =
         net = net.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
     tok = None
     if isinstance(net, DiffLM):
-        tok = load_tokenizer_spec(tokenizer) if tokenizer else recorded_tokenizer(checkpoint, trust_pickle=trust_pickle)
+        tok = load_lm_tokenizer(tokenizer) if tokenizer else recorded_tokenizer(checkpoint, trust_pickle=trust_pickle)
     if tokenizer is not None and not isinstance(net, DiffLM):
         raise ValueError(f"{checkpoint}: --tokenizer is for LMs; this is a {type(net).__name__}")
     if tok is not None and tok.vocab_size > net.config.vocab_size:
@@ -90,3 +93,20 @@ def export(checkpoint: str, out: str, *, format: Literal["diffmm", "difflama"] =
         folder = Path(out)
     print(f"wrote {folder}")
     return folder
+
+
+def recorded_tokenizer(source: str | os.PathLike, *, trust_pickle: bool = False) -> Any:
+    """The tokenizer an LM source records, or None: a Lightning checkpoint's ``tokenizer`` hyper-parameter (the LM
+    module's, else the data module's), an LM folder's own tokenizer files."""
+    if is_lightning(Path(source)):
+        ckpt = load_state_file(source, trust_pickle=trust_pickle)
+        for where in ("hyper_parameters", "datamodule_hyper_parameters"):
+            spec = (ckpt.get(where) or {}).get("tokenizer")
+            if spec:
+                try:
+                    return load_lm_tokenizer(spec)
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"{source}: the recorded tokenizer ({where}.tokenizer) cannot be read: {e}; "
+                                     f"name one (--tokenizer)") from None
+        return None
+    return load_lm_tokenizer(source) if os.path.isfile(os.path.join(source, TOKENIZER_FILE)) else None

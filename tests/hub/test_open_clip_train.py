@@ -130,8 +130,8 @@ def test_training_diffmm_towers_with_open_clip_train(tmp_path):
     (tmp_path / "arch" / "open_clip_config.json").write_text(json.dumps({"model_cfg": OC_TIMM}))
     cmd = [sys.executable, "-c", "import sys, diffmm; from open_clip_train.main import main; main(sys.argv[1:])",
            "--model", f"local-dir:{tmp_path / 'arch'}", "--train-data", str(tmp_path / "train.csv"),
-           "--dataset-type", "csv", "--csv-separator", ",", "--batch-size", "2", "--epochs", "1", "--workers", "0", "--lr", "1e-3",
-           "--logs", str(tmp_path / "logs"), "--name", "run", "--device", "cpu", "--precision", "fp32"]
+           "--dataset-type", "csv", "--csv-separator", ",", "--batch-size", "2", "--epochs", "1", "--workers", "0",
+           "--lr", "1e-3", "--logs", str(tmp_path / "logs"), "--name", "run", "--device", "cpu", "--precision", "fp32"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -15,9 +15,8 @@ from safetensors import safe_open
 
 import diffmm
 from diffmm.cli import main as diffmm_main
-from diffmm.data.tokenizers import ClipBPE
+from diffmm.data.tokenizers import ClipBPE, load_lm_tokenizer
 from diffmm.hub.formats import MODEL_KEY
-from diffmm.hub.tokenizer_files import load_tokenizer_spec
 from diffmm.models.clip.config import CLIPConfig
 from diffmm.models.clip.hf_text import PACKAGED_MODELS, HFTokenizer
 from diffmm.models.clip.model import DiffCLIP
@@ -169,7 +168,7 @@ def test_difflm_saves_its_tokenizer(tmp_path):
     for text in CAPTIONS[:3] + ["Hello, World! It's 3.14159"]:
         assert hf(text)["input_ids"] == ours.encode(text)
     assert hf.eos_token_id == ours.eos_id and hf.model_max_length == model.config.block_size
-    assert isinstance(load_tokenizer_spec(tmp_path), ClipBPE)
+    assert isinstance(load_lm_tokenizer(tmp_path), ClipBPE)
     assert "tokenizer" in (tmp_path / "README.md").read_text()
     back = DiffLM.from_pretrained(tmp_path)
     assert_same_state(model, back)

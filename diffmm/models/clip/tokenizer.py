@@ -95,7 +95,7 @@ def clip_normalizer() -> normalizers.Normalizer:
     (with ``str.lower``'s final sigma: a capital sigma after a letter and before none).
 
     Not reproduced: ftfy's mojibake repair (``fix_encoding``, a heuristic) and other entities (non-ASCII numeric
-    ones, entities nested three deep); text without those gets open_clip's ids (``tests/hub/test_tokenizer_files.py``
+    ones, entities nested three deep); text without those gets open_clip's ids (``tests/data/test_tokenizer_files.py``
     compares on real documents).
     """
     from ftfy import chardata  # comes with open_clip (imported when used, as open_clip is)

@@ -7,8 +7,7 @@ import os
 import pytest
 from tokenizers import Tokenizer, processors
 
-from diffmm.data.tokenizers import ClipBPE, TokenizerFile, train_byte_level_bpe
-from diffmm.hub.tokenizer_files import load_tokenizer_spec
+from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer, train_byte_level_bpe
 from diffmm.models.clip.tokenizer import CLIPTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -41,7 +40,7 @@ def test_clip_bpe_lm_export_matches_open_clip(tmp_path):
     assert hf.eos_token_id == ours.eos_id and hf.bos_token is None
     ids = ours.encode("a photo of a cat")
     assert hf.decode(ids) == ours.decode(ids)  # "a photo of a cat " (open_clip keeps the last word's space)
-    assert isinstance(load_tokenizer_spec(tmp_path), ClipBPE)
+    assert isinstance(load_lm_tokenizer(tmp_path), ClipBPE)
 
 
 def test_clip_caption_tokenizer_adds_start_and_end(tmp_path):
@@ -54,7 +53,7 @@ def test_clip_caption_tokenizer_adds_start_and_end(tmp_path):
         assert hf(text)["input_ids"] == ids[:n]
     assert hf.model_max_length == 77
     with pytest.raises(ValueError, match="caption tokenizer"):
-        load_tokenizer_spec(tmp_path)
+        load_lm_tokenizer(tmp_path)
 
 
 def test_tokenizer_file_export_drops_added_tokens(tmp_path):
@@ -70,6 +69,6 @@ def test_tokenizer_file_export_drops_added_tokens(tmp_path):
         assert hf(text)["input_ids"] == tok.encode(text)
     assert hf.eos_token == "</s>"
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["diffmm_tokenizer"] == "tokenizer.json"
-    again = load_tokenizer_spec(tmp_path / "out")
+    again = load_lm_tokenizer(tmp_path / "out")
     assert again.eos_id == tok.eos_id and again.encode(SAMPLES[0]) == tok.encode(SAMPLES[0])
 
