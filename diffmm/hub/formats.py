@@ -21,7 +21,7 @@ from diffmm.hub.clip_convert import (from_open_clip_config, infer_clip_config, i
                                      mha_text_to_diffmm, open_clip_to_diffmm, timm_vit_to_diffmm)
 from diffmm.hub.difflama import MODEL_TYPE, from_difflama, hf_to_lm_config, load_state_file_folder, read_json
 from diffmm.hub.open_clip_models import open_clip_config
-from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig, load_config_file
+from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig, UnknownModelError, load_config_file
 from diffmm.models.hub_mixin import CONFIG, MARKER, WEIGHTS, read_export, read_record
 from diffmm.models.lm import LMConfig
 
@@ -147,12 +147,18 @@ def _read_open_clip(path: Path, *, trust_pickle: bool = False, model_name: Optio
         oc_cfg, path = meta["model_cfg"], _weights_in(path)
     ckpt = load_state_file(path, trust_pickle=trust_pickle)
     raw = read_state_dict(path, obj=ckpt)
-    model_name = model_name or (None if oc_cfg or head_width or text_head_width
-                                else _run_model_name(path, ckpt.get("name") if isinstance(ckpt, dict) else None))
-    if model_name is not None and model_name.startswith("local-dir:"):  # open_clip's own folder rule
-        oc_cfg = read_json(Path(model_name[len("local-dir:"):]) / OPEN_CLIP_CONFIG).get("model_cfg")
-    elif model_name is not None:
-        oc_cfg = open_clip_config(model_name)
+    run = None  # the architecture an open_clip_train run names (when nothing else says it)
+    if build and not (model_name or oc_cfg or head_width or text_head_width):
+        run = _run_model_name(path, ckpt.get("name") if isinstance(ckpt, dict) else None)
+    if (model_name or run or "").startswith("local-dir:"):  # open_clip's own folder rule
+        oc_cfg = read_json(Path((model_name or run)[len("local-dir:"):]) / OPEN_CLIP_CONFIG).get("model_cfg")
+    elif model_name or run:
+        try:
+            oc_cfg = open_clip_config(model_name or run)
+        except UnknownModelError:
+            if model_name:
+                raise
+            log.warning("%s: the run names the architecture %s, which open_clip does not know here", path, run)
     sd = open_clip_to_diffmm(raw, source=str(path))
     if oc_cfg is not None:
         cfg = from_open_clip_config(oc_cfg if quick_gelu is None else {**oc_cfg, "quick_gelu": quick_gelu},

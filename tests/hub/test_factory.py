@@ -172,3 +172,26 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_one_public_way_to_load():
+    """diffmm and diffmm.hub export the public loading API only (the classes add save/from_pretrained)."""
+    import diffmm.hub
+
+    public = {"create_model", "create_model_and_transforms", "get_tokenizer", "list_pretrained", "load_pretrained"}
+    assert set(diffmm.hub.__all__) == public | {"DamagedFileError"}
+    assert public <= set(diffmm.__all__)
+    assert not {n for n in set(diffmm.__all__) - public if "load" in n or "pretrained" in n or "create" in n}
+    assert {"save_pretrained", "from_pretrained"} <= set(dir(diffmm.DiffLM))
+
+
+def test_lm_names_without_a_prefix(tmp_path):
+    torch.manual_seed(0)
+    lm = diffmm.create_model("diff-tiny", vocab_size=100)
+    assert model_kind("diff-tiny") == "lm" and isinstance(lm, diffmm.DiffLM) and lm.config.vocab_size == 100
+    lm.save_pretrained(tmp_path / "lm")
+    torch.manual_seed(1)
+    again = diffmm.create_model("diff-tiny", pretrained=str(tmp_path / "lm"), vocab_size=100)
+    for a, b in zip(lm.state_dict().values(), again.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert isinstance(diffmm.create_model(str(tmp_path / "lm")), diffmm.DiffLM)

@@ -95,6 +95,11 @@ def test_unnamed_architecture_says_what_was_assumed(tmp_path, names, caplog):
     assert "assumed 64-wide attention heads" in record.message and "model_name=" in record.message
     assert guessed.config.vision_cfg.head_width == 64  # loads (shapes agree), but it is another model
     assert (features(guessed.eval(), 32, 16)[0] - features(ref, 32, 16)[0]).abs().max() > 1e-3
+    other = train_checkpoint(tmp_path / "other", ref, "2026_01_01-00_00_00-model_NoSuchArch-lr_0.1-b_8-j_1-p_fp32")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="diffmm.hub"):
+        diffmm.load_pretrained(other)
+    assert ["which open_clip does not know here" in r.message for r in ours(caplog)] == [True, False]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="diffmm.hub"):
         for model in (diffmm.load_pretrained(path, model_name=names["narrow"]),
