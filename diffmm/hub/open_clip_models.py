@@ -1,13 +1,9 @@
 """open_clip architectures by name (``open_clip:NAME`` of :mod:`diffmm.hub.factory`, which owns the prefix).
 
-An architecture diffmm implements (a plain ViT image tower and text Transformer: open_clip's ``ViT-*`` CLIPs) is
-built as diffmm's ``DiffCLIP`` in open_clip's layout (:func:`diffclip_config`): open_clip's weights load into it
-exactly, it exports, and :func:`diffmm.swap_attention` records its swaps in the config. Other architectures (timm
-or HF towers, SigLIP, CoCa, ...) are built by open_clip itself (:func:`create_native`) and keep open_clip's
-preprocessing and tokenizer.
-
-open_clip is imported inside these functions: they run only for ``open_clip:`` names, and ``import diffmm`` works
-without open_clip (the GPU check machine has none; ``tests/scripts/test_gpu_check.py``).
+An architecture diffmm implements (plain ViT or diffmm timm image tower, text Transformer) is built as diffmm's
+``DiffCLIP`` in open_clip's layout (:func:`diffclip_config`); others (other timm or HF towers, SigLIP, CoCa, ...) are
+built by open_clip itself (:func:`create_native`) with open_clip's preprocessing and tokenizer. open_clip is imported
+inside these functions, so ``import diffmm`` works without it.
 """
 from __future__ import annotations
 
@@ -16,9 +12,10 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from diffmm.hub.checkpoint import check_state_dict, read_state_dict
+from diffmm.hub.checkpoint import read_state_dict
 from diffmm.hub.clip_convert import from_open_clip_config
 from diffmm.models.clip.config import CLIPConfig, UnknownModelError
+from diffmm.models.weights import load_strict
 
 log = logging.getLogger("diffmm.hub")
 
@@ -81,8 +78,6 @@ def create_native(name: str, path: Optional[str], *, trust_pickle: bool = False,
     pp = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if tag_cfg.get(k) is not None}
     model = open_clip.create_model(name, precision=precision, force_preprocess_cfg=pp or None)
     if path:
-        sd = read_state_dict(path, trust_pickle=trust_pickle)
-        check_state_dict(sd, model.state_dict(), source=f"{path} (open_clip:{name})")
-        model.load_state_dict(sd, strict=True)
-    model.diffmm_open_clip_name, model.diffmm_open_clip_precision = name, precision
+        load_strict(model, read_state_dict(path, trust_pickle=trust_pickle), source=f"{path} (open_clip:{name})")
+    model.diffmm_open_clip_name = name  # tokenizer_for(model) gives open_clip's tokenizer of this name
     return model

@@ -7,8 +7,8 @@
   sentence saying this is not a transformers model and what to use instead, so that transformers' error on
   ``AutoModelForCausalLM.from_pretrained(folder)`` shows it (transformers has no class for it).
 - ``model.safetensors``: the state dict, tied (aliased) weights written once.
-- the tokenizer, when one is known: ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``special_tokens_map.json``
-  for diffmm's own tokenizers; :func:`write_tokenizer_files`), which ``transformers.AutoTokenizer`` loads.
+- the tokenizer, when one is known (it writes itself: ``save_pretrained(folder)``; diffmm's tokenizers write the
+  files ``transformers.AutoTokenizer`` loads, :func:`diffmm.models.clip.tokenizer.write_tokenizer_files`).
 - ``README.md``: the model card (kept when the folder already has one).
 
 Loading checks every key and shape in one error (no partial loads). ``push_to_hub`` is the mixin's: it saves to a
@@ -28,9 +28,8 @@ import torch
 import torch.nn as nn
 from huggingface_hub import PyTorchModelHubMixin
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
 
-from diffmm.models.weights import DamagedFileError, check_state_dict, safetensors_damage
+from diffmm.models.weights import DamagedFileError, load_strict, safetensors_damage, unique_state_dict
 
 #: what huggingface_hub raises for a repository it cannot give (no network, no such repository, a bad name)
 HUB_ERRORS = (huggingface_hub.errors.HfHubHTTPError, huggingface_hub.errors.LocalEntryNotFoundError,
@@ -39,7 +38,6 @@ MARKER = "diffmm_export"
 VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-KINDS = ("lm", "clip")
 #: ``config.json``'s ``model_type`` per kind: transformers prints it in its "does not recognize this architecture" error
 MODEL_TYPES = {
     "lm": "diffmm_lm (a diffmm export, not a transformers model: load it with diffmm.load_pretrained or "
@@ -48,12 +46,6 @@ MODEL_TYPES = {
     "clip": "diffmm_clip (a diffmm export, not a transformers model: load it with diffmm.load_pretrained or "
             "DiffCLIP.from_pretrained)",
 }
-
-#: tokenizer files of a folder (``transformers.AutoTokenizer`` reads them)
-TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE = "tokenizer.json", "tokenizer_config.json", \
-    "special_tokens_map.json"
-#: ``diffmm_tokenizer`` values of tokenizer_config.json: which diffmm tokenizer the files hold
-CLIP_BPE, CLIP_CAPTION, TOKENIZER_JSON = "clip-bpe", "clip-caption", "tokenizer.json"
 
 MODEL_CARD = """---
 {{ card_data }}
@@ -71,111 +63,52 @@ model = {{ model_class }}.from_pretrained("THIS_FOLDER_OR_REPO")   # or diffmm.l
 """
 
 
-def unique_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``model.state_dict()`` without aliases (tied weights), and ``alias -> kept key``."""
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first: dict[tuple, str] = {}
-    for key, t in model.state_dict().items():
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                 t.dtype) if t.device.type != "meta" else None
-        if ident is not None and t.numel() and ident in first:
-            aliases[key] = first[ident]
-            continue
-        if ident is not None:
-            first[ident] = key
-        kept[key] = t
-    return kept, aliases
+def model_record(model: nn.Module) -> dict[str, Any]:
+    """What rebuilds ``model`` without its weights: ``{"diffmm_export": {"kind", "version"}, "config": {...}}`` (an
+    export's ``config.json`` and a Lightning checkpoint's ``diffmm_model`` entry)."""
+    return {MARKER: {"kind": model.export_kind, "version": VERSION}, "config": model.config.to_dict()}
 
 
-def write_model_files(model: nn.Module, folder: Union[str, os.PathLike], kind: str) -> Path:
-    """``config.json`` and ``model.safetensors`` of ``model`` (export ``kind``) in ``folder``; returns the folder."""
+def read_record(record: Any, *, source: str, **overrides: Any) -> tuple[type, Any]:
+    """``(model class, config)`` of a :func:`model_record` (``overrides``: config fields), one-line errors for a
+    missing or newer entry and an unknown kind."""
+    info = record.get(MARKER) if isinstance(record, dict) else None
+    if not isinstance(info, dict) or "kind" not in info:
+        raise ValueError(f"{source}: no '{MARKER}': {{'kind': ...}} entry; not a diffmm export")
+    if info.get("version", VERSION) > VERSION:
+        raise ValueError(f"{source}: export version {info['version']} is newer than this diffmm reads ({VERSION})")
+    cls = DiffmmHubMixin.kinds.get(info["kind"])
+    if cls is None:
+        raise ValueError(f"{source}: unknown export kind {info['kind']!r}; expected one of "
+                         f"{', '.join(DiffmmHubMixin.kinds)}")
+    return cls, cls.config_from_dict({**record.get("config", {}), **overrides}, source=source)
+
+
+def write_model_files(model: nn.Module, folder: Union[str, os.PathLike]) -> Path:
+    """``config.json`` and ``model.safetensors`` of ``model`` in ``folder``; returns the folder."""
     sd, _ = unique_state_dict(model)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(folder / WEIGHTS),
-              metadata={"format": "pt", MARKER: kind})
-    meta = {MARKER: {"kind": kind, "version": VERSION}, "model_type": MODEL_TYPES[kind],
-            "architectures": [type(model).__name__], "config": model.config.to_dict()}
+              metadata={"format": "pt", MARKER: model.export_kind})
+    meta = {**model_record(model), "model_type": MODEL_TYPES[model.export_kind],
+            "architectures": [type(model).__name__]}
     (folder / CONFIG).write_text(json.dumps(meta, indent=2))
     return folder
 
 
-def is_export_folder(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path`` is a folder with ``config.json`` (holding the ``diffmm_export`` entry) and the weights."""
-    path = Path(path)
-    if not (path.is_dir() and (path / CONFIG).is_file() and (path / WEIGHTS).is_file()):
-        return False
-    try:
-        return MARKER in json.loads((path / CONFIG).read_text())
-    except (ValueError, OSError):
-        return False
-
-
-def read_export_config(path: Union[str, os.PathLike]) -> tuple[str, dict[str, Any]]:
-    """``(kind, config dict)`` of an export folder, with one-line errors for missing files, a missing or newer
-    ``diffmm_export`` entry and an unknown kind."""
-    folder = Path(path)
+def read_export(folder: Union[str, os.PathLike], **overrides: Any) -> tuple[type, Any, dict[str, torch.Tensor]]:
+    """``(model class, config, state dict)`` of an export folder (``overrides``: config fields); a missing file, a
+    bad ``config.json`` or a damaged weights file is one error naming it."""
+    folder = Path(folder)
     cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
     if not cfg_path.is_file() or not w_path.is_file():
         raise FileNotFoundError(f"{folder}: a diffmm export folder needs {CONFIG} and {WEIGHTS}")
-    with open(cfg_path) as f:
-        meta = json.load(f)
-    info = meta.get(MARKER)
-    if not isinstance(info, dict) or "kind" not in info:
-        raise ValueError(f"{cfg_path}: no '{MARKER}': {{'kind': ...}} entry; not a diffmm export")
-    if info.get("version", VERSION) > VERSION:
-        raise ValueError(f"{cfg_path}: export version {info['version']} is newer than this diffmm reads ({VERSION})")
-    if info["kind"] not in KINDS:
-        raise ValueError(f"{cfg_path}: unknown export kind {info['kind']!r}; expected one of {', '.join(KINDS)}")
-    return info["kind"], meta.get("config", {})
-
-
-def read_export(path: Union[str, os.PathLike]) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-    """``(kind, config dict, state dict)`` of an export folder (:func:`read_export_config`; a damaged weights
-    file is one error naming it)."""
-    kind, config = read_export_config(path)
-    w_path = Path(path) / WEIGHTS
+    cls, config = read_record(json.loads(cfg_path.read_text()), source=str(cfg_path), **overrides)
     damage = safetensors_damage(w_path)
     if damage is not None:
         raise DamagedFileError(f"{w_path}: {damage}")
-    return kind, config, load_file(str(w_path))
-
-
-def load_state(model: nn.Module, state_dict: dict[str, torch.Tensor], *, source: str) -> nn.Module:
-    """Load a state dict written by :func:`write_model_files` (aliases once) into ``model``, all keys checked first."""
-    expected, aliases = unique_state_dict(model)
-    check_state_dict(state_dict, expected, source=source)  # shapes and dtype kinds, one error
-    result = model.load_state_dict(state_dict, strict=False)
-    leftover = sorted(set(result.missing_keys) - set(aliases))
-    if leftover or result.unexpected_keys:  # cannot happen after check_state_dict; guard against drift
-        raise KeyError(f"{source}: missing {leftover}, unexpected {result.unexpected_keys}")
-    return model
-
-
-def write_tokenizer_files(tok: Tokenizer, folder: Union[str, os.PathLike], *, kind: str, eos: str,
-                          bos: Optional[str] = None, pad: Optional[str] = None,
-                          model_max_length: Optional[int] = None) -> list[Path]:
-    """Write a ``tokenizers`` pipeline as ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
-    (``transformers.AutoTokenizer`` loads them as a fast tokenizer); returns the files.
-
-    Args:
-        tok: the pipeline.
-        kind: the ``diffmm_tokenizer`` entry (:data:`CLIP_BPE`, :data:`CLIP_CAPTION`, :data:`TOKENIZER_JSON`).
-        eos / bos / pad: the special tokens transformers should name (no bos: none is added).
-        model_max_length: the context length recorded for transformers (None: unlimited).
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / TOKENIZER_FILE))
-    special = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False,
-              "model_max_length": int(model_max_length) if model_max_length else int(1e30), "diffmm_tokenizer": kind}
-    if pad:
-        config["pad_token"] = pad
-    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=2) + "\n")
-    return [folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE, folder / SPECIAL_TOKENS_FILE]
+    return cls, config, load_file(str(w_path))
 
 
 def save_tokenizer_object(tokenizer: Any, folder: Path, model_max_length: Optional[int] = None) -> None:
@@ -201,6 +134,13 @@ class DiffmmHubMixin(PyTorchModelHubMixin, library_name="diffmm", model_card_tem
     export_kind: ClassVar[str]
     #: one line for the model card
     card_description: ClassVar[str] = ""
+    #: export kind -> model class (filled as the classes are defined)
+    kinds: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "export_kind" in cls.__dict__:
+            DiffmmHubMixin.kinds[cls.export_kind] = cls
 
     @classmethod
     def config_from_dict(cls, config: dict[str, Any], *, source: str) -> Any:
@@ -242,7 +182,7 @@ class DiffmmHubMixin(PyTorchModelHubMixin, library_name="diffmm", model_card_tem
             self.__dict__["_hub_tokenizer"] = outer
 
     def _save_pretrained(self, save_directory: Path) -> None:
-        write_model_files(self, save_directory, self.export_kind)
+        write_model_files(self, save_directory)
         self.write_tokenizer(Path(save_directory), self.__dict__.get("_hub_tokenizer"))
 
     def generate_model_card(self, *args: Any, **kwargs: Any) -> huggingface_hub.ModelCard:
@@ -290,12 +230,11 @@ class DiffmmHubMixin(PyTorchModelHubMixin, library_name="diffmm", model_card_tem
             folder = Path(huggingface_hub.snapshot_download(
                 repo_id=model_id, revision=revision, cache_dir=cache_dir, force_download=force_download,
                 local_files_only=local_files_only, token=token))
-        kind, stored, state_dict = read_export(folder)
-        if kind != cls.export_kind:
-            raise ValueError(f"{folder / CONFIG}: a diffmm {kind!r} export, not a {cls.__name__}; load it with "
-                             f"diffmm.load_pretrained")
-        model = cls(cls.config_from_dict({**stored, **overrides}, source=str(folder / CONFIG)))
-        load_state(model, state_dict, source=str(folder / WEIGHTS))
+        cls_of_folder, config, state_dict = read_export(folder, **overrides)
+        if cls_of_folder is not cls:
+            raise ValueError(f"{folder / CONFIG}: a diffmm {cls_of_folder.export_kind!r} export, not a {cls.__name__}; "
+                             f"load it with diffmm.load_pretrained")
+        model = load_strict(cls(config), state_dict, source=str(folder / WEIGHTS))
         model.to(device=map_location)
         if dtype is not None:
             model.to(dtype)

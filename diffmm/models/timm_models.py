@@ -11,7 +11,7 @@
   layers given their depth as it is built (:func:`build_vit`), built the way timm builds its ViTs
   (``build_model_with_cfg``, ``features_only`` through ``FeatureGetterNet`` / ``forward_intermediates``,
   ``feature_info``, ``num_classes`` (default 0: a feature extractor), ``global_pool``, ``reset_classifier``).
-- Weight sources are pretrained tags (:data:`WEIGHT_SOURCES`), each with its own mean/std in ``pretrained_cfg``:
+- Weight sources are pretrained tags (``diffmm.hub.clip_convert.TAGS``), each with its mean/std in ``pretrained_cfg``:
   ``NAME.diffmm`` (the default), ``NAME.official`` (DiffCLIP configs), ``NAME.open_clip`` (OpenCLIP configs).
   Nothing is downloaded: ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` loads a local file of any
   layout diffmm reads (:func:`checkpoint_filter`).
@@ -27,7 +27,8 @@ import torch.nn as nn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from diffmm.hub.clip_convert import diffmm_vit_to_timm, open_clip_to_diffmm, timm_vit_to_diffmm
+from diffmm.hub.clip_convert import (TAGS, diffmm_vit_to_timm, key_layout, open_clip_to_diffmm, tags_of, timm_name,
+                                     timm_vit_to_diffmm)
 from diffmm.models.attn_adapters import adapter_class
 from diffmm.models.clip.config import (IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD, VisionCfg,
                                        get_model_config, list_models)
@@ -108,66 +109,39 @@ def vit_kwargs(vision_cfg: VisionCfg) -> dict:
                 init_values=v.layer_scale_init, attn_layer=timm_attn_layer(v.attn_type))
 
 
-def timm_name(config_name: str) -> str:
-    """``DiffCLIP-ViT-B-16`` -> ``diffmm_diffclip_vit_b_16``."""
-    return "diffmm_" + config_name.lower().replace("-", "_")
-
-
-#: pretrained tag -> (which configs have it, the state-dict layouts (:func:`weight_layout`) its files come in). The
-#: tags are ``diffmm.list_pretrained()``'s for whole CLIPs; its ``timm`` tag (a timm ViT file) is this model's own
-#: layout, loaded under ``diffmm``
-WEIGHT_SOURCES = {
-    "diffmm": (lambda name: True, ("clip", "timm")),
-    "official": (lambda name: name.startswith("DiffCLIP"), ("clip",)),  # the official layout is diffmm's DiffCLIP
-    "open_clip": (lambda name: name.startswith("OpenCLIP-"), ("open_clip",)),
-}
-
-
-def tags_of(config_name: str) -> list[str]:
-    """The pretrained tags (weight sources) of a config's timm model, the default first."""
-    return [tag for tag, (has_tag, _) in WEIGHT_SOURCES.items() if has_tag(config_name)]
-
-
-def weight_layout(state_dict: dict) -> str:
-    """The layout of a state dict from its keys: ``'open_clip'`` (an open_clip CLIP), ``'clip'`` (a DiffCLIP of
-    diffmm or of the official code: the tower under ``visual.``) or ``'timm'`` (a timm ViT: this model's own keys,
-    or timm's fused ``qkv``)."""
-    if "visual.class_embedding" in state_dict or "visual.conv1.weight" in state_dict:
-        return "open_clip"
-    if "visual.patch_embed.proj.weight" in state_dict:
-        return "clip"
-    if "patch_embed.proj.weight" in state_dict:
-        return "timm"
-    raise KeyError("no visual.conv1.weight, visual.patch_embed.proj.weight or patch_embed.proj.weight: not a CLIP "
-                   "(open_clip, official DiffCLIP, diffmm) or timm ViT state dict")
+def timm_tags(config_name: str) -> list[str]:
+    """The pretrained tags of a config's timm model, the default (``diffmm``, which takes timm files too) first."""
+    return [tag for tag in tags_of(config_name) if tag != "timm"]
 
 
 def checkpoint_filter(state_dict: dict, model: VisionTransformer) -> dict:
     """timm's ``pretrained_filter_fn``: a local file's state dict (as timm read it: ``state_dict`` key taken,
     ``module.`` stripped) -> this model's keys, then timm's ViT filter (position-embedding / patch resampling).
 
-    The layout must be one of the model's tag's (:data:`WEIGHT_SOURCES`): an open_clip file under ``.official`` is
-    an error. The layout cannot tell every source apart: an official DiffCLIP state dict saved as ``.safetensors``
-    has diffmm's keys, so under the default ``.diffmm`` tag it loads with the config's (OpenAI) mean/std; name
-    ``.official`` for official weights.
+    The layout must be one of the model's tag's (``diffmm.hub.clip_convert.TAGS``): an open_clip file under
+    ``.official`` is an error. The layout cannot tell every source apart: an official DiffCLIP state dict saved as
+    ``.safetensors`` has diffmm's keys, so under the default ``.diffmm`` tag it loads with the config's (OpenAI)
+    mean/std; name ``.official`` for official weights.
     """
     cfg = getattr(model, "pretrained_cfg", None) or {}
     tag, source = cfg.get("tag") or "diffmm", cfg.get("file") or "checkpoint"
-    try:
-        layout = weight_layout(state_dict)
-    except KeyError as e:
-        raise KeyError(f"{source}: {e.args[0]}") from None
-    if tag in WEIGHT_SOURCES and layout not in WEIGHT_SOURCES[tag][1]:
+    layout = key_layout(state_dict)
+    if layout is None:
+        raise KeyError(f"{source}: no visual.conv1.weight, visual.patch_embed.proj.weight or patch_embed.proj.weight: "
+                       f"not a CLIP (open_clip, official DiffCLIP, diffmm) or timm ViT state dict")
+    if tag in TAGS and layout not in TAGS[tag].layouts:
         arch = cfg.get("architecture", "")
-        fits = [f"{arch}.{t}" for t in tags_of(_CONFIG_OF.get(arch, "")) if layout in WEIGHT_SOURCES[t][1]]
+        fits = [f"{arch}.{t}" for t in timm_tags(_CONFIG_OF.get(arch, "")) if layout in TAGS[t].layouts]
         raise ValueError(f"{source}: {layout}-layout weights under the pretrained tag {tag!r}, which takes "
-                         f"{' or '.join(WEIGHT_SOURCES[tag][1])} layout; "
+                         f"{' or '.join(TAGS[tag].layouts)} layout; "
                          + (f"load them as {' or '.join(fits)}" if fits else f"{arch} has no tag for them"))
     if layout == "open_clip":
         state_dict = diffmm_vit_to_timm(open_clip_to_diffmm(state_dict, source=source))
-    elif layout == "clip":
+    elif layout == "diffclip":
         state_dict = diffmm_vit_to_timm(state_dict)
     else:  # fused qkv (a standard timm ViT) splits into q/k/v; sub_norm (timm's DiffAttention) -> diff_norm
+        if layout == "open_clip_timm":  # open_clip's TimmModel: the timm ViT under visual.trunk
+            state_dict = {k[len("visual.trunk."):]: v for k, v in state_dict.items() if k.startswith("visual.trunk.")}
         state_dict = timm_vit_to_diffmm(state_dict, prefix="", drop_head=False, source=source)
     head = getattr(model, "head", None)
     if not isinstance(head, nn.Linear) or state_dict.get("head.weight", head.weight).shape != head.weight.shape:
@@ -183,7 +157,7 @@ def create_timm_vit(config_name: str, pretrained: bool = False, **kwargs) -> Vis
     if pretrained and not resolve_pretrained_cfg(timm_name(config_name), kwargs.get("pretrained_cfg"),
                                                  kwargs.get("pretrained_cfg_overlay")).has_weights:
         raise ValueError(f"{timm_name(config_name)}: no weights to download; give a local file with "
-                         f"pretrained_cfg_overlay=dict(file=PATH) (tags: {', '.join(tags_of(config_name))})")
+                         f"pretrained_cfg_overlay=dict(file=PATH) (tags: {', '.join(timm_tags(config_name))})")
     out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(build_vit, timm_name(config_name), pretrained,
                                 pretrained_filter_fn=checkpoint_filter,
@@ -217,6 +191,6 @@ def _pretrained_cfg(config_name: str, tag: str) -> dict:
 TIMM_CONFIGS = [name for name in list_models()
                 if "-dagger-" not in name and isinstance(get_model_config(name).vision_cfg.attn_type, str)]
 default_cfgs = generate_default_cfgs({  # read by timm; the first tag (diffmm) is the default
-    f"{timm_name(n)}.{tag}": _pretrained_cfg(n, tag) for n in TIMM_CONFIGS for tag in tags_of(n)})
+    f"{timm_name(n)}.{tag}": _pretrained_cfg(n, tag) for n in TIMM_CONFIGS for tag in timm_tags(n)})
 _CONFIG_OF = {timm_name(n): n for n in TIMM_CONFIGS}
 TIMM_MODELS = [register_model(_entrypoint(name)).__name__ for name in TIMM_CONFIGS]

@@ -1,12 +1,13 @@
-"""Weights checks shared by the models' own loaders (``from_pretrained``) and :mod:`diffmm.hub`: a damaged
-``.safetensors`` file names itself (:func:`safetensors_damage`, :class:`DamagedFileError`), and a state dict is
-checked against a model in one error (:func:`check_state_dict`). Re-exported by :mod:`diffmm.hub.checkpoint`."""
+"""Weights checks shared by the models' ``from_pretrained`` and :mod:`diffmm.hub`: a damaged ``.safetensors`` file
+names itself (:func:`safetensors_damage`, :class:`DamagedFileError`), and :func:`load_strict`, the one strict loader,
+checks a state dict against a model in one error before loading it."""
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 
 
@@ -33,9 +34,7 @@ def _kind(dtype: torch.dtype) -> str:
         return "bool"
     if dtype.is_floating_point:
         return "float"
-    if dtype.is_complex:
-        return "complex"
-    return "integer"
+    return "complex" if dtype.is_complex else "integer"
 
 
 def check_state_dict(state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, Any], *,
@@ -44,10 +43,9 @@ def check_state_dict(state_dict: Mapping[str, torch.Tensor], expected: Mapping[s
 
     Args:
         state_dict: the tensors to load.
-        expected: key -> the model's tensor (shape and dtype kind checked) or its shape (shape only).
-            A float parameter never takes an integer or bool tensor (``load_state_dict`` would cast it
-            silently), and an integer/bool buffer never takes a float tensor; float widths may differ
-            (fp16/bf16 files load into fp32 models).
+        expected: key -> the model's tensor (shape and dtype kind checked) or its shape (shape only). A float
+            parameter never takes an integer or bool tensor (``load_state_dict`` would cast it silently); float
+            widths may differ (fp16/bf16 files load into fp32 models).
         source: what the error names (the file).
     """
     def shape_of(v: Any) -> tuple:
@@ -69,3 +67,30 @@ def check_state_dict(state_dict: Mapping[str, torch.Tensor], expected: Mapping[s
             parts.append(f"{label}: {', '.join(items[:limit])}{more}")
     if parts:
         raise KeyError(f"{source}: " + "; ".join(parts))
+
+
+def unique_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``model.state_dict()`` without aliases (tied weights), and ``alias -> kept key``."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple, str] = {}
+    for key, t in model.state_dict().items():
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                 t.dtype) if t.device.type != "meta" else None
+        if ident is not None and t.numel() and ident in first:
+            aliases[key] = first[ident]
+            continue
+        if ident is not None:
+            first[ident] = key
+        kept[key] = t
+    return kept, aliases
+
+
+def load_strict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, source: str) -> nn.Module:
+    """Load ``state_dict`` into ``model`` after :func:`check_state_dict` (one error naming every missing,
+    unexpected, mis-shaped or wrong-dtype key); tied (aliased) weights may be given once or under every name."""
+    expected, aliases = unique_state_dict(model)
+    given = {k: v for k, v in state_dict.items() if not (k in aliases and aliases[k] in state_dict)}
+    check_state_dict(given, expected, source=source)
+    model.load_state_dict(given, strict=False)  # every key checked above; only the aliases are left out
+    return model

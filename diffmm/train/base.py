@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from diffmm.hub.formats import MODEL_KEY
+from diffmm.models.hub_mixin import DiffmmHubMixin, model_record
 from diffmm.train.callbacks import NonFiniteGuard
 from diffmm.train.monitor import lambda_layers, lambda_values
 from diffmm.train.optim import WarmupCosineLR, adamw
@@ -98,6 +100,12 @@ class TrainModule(pl.LightningModule):
         """Forward through the compiled model when compiled, else the model."""
         fn = self._compiled if self._compiled is not None else self.model
         return fn(*args, **kwargs)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the model's record (its kind and config, as an export's ``config.json``) so that
+        ``diffmm.load_pretrained`` rebuilds it from the checkpoint alone (models that open_clip builds have none)."""
+        if isinstance(self.model, DiffmmHubMixin):
+            checkpoint[MODEL_KEY] = model_record(self.model)
 
     # ----- optimizer and schedule ---------------------------------------------------------------
     def _schedule_steps(self) -> tuple[int, int]:

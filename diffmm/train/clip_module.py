@@ -2,11 +2,6 @@
 classification during validation."""
 from __future__ import annotations
 
-<<<<<<< HEAD
-import hashlib
-=======
-import contextlib
->>>>>>> trainer
 import logging
 import math
 from typing import Any, Optional
@@ -18,7 +13,6 @@ import torch.nn.functional as F
 from diffmm.eval.classnames import get_classnames
 from diffmm.eval.image_sources import open_image_source
 from diffmm.eval.zeroshot import zero_shot
-from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
 from diffmm.hub.factory import apply_swap, create_model
 from diffmm.train.base import TrainModule
 from diffmm.train.losses import ContrastiveLoss
@@ -129,13 +123,6 @@ class CLIPModule(TrainModule):
         self.setup_model(model)
         self.loss_fn = ContrastiveLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
         self.zeroshot = ZeroShotHook(**zeroshot) if zeroshot else None
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the config of diffmm's CLIP (swapped layers and preprocessing included) so that
-        ``diffmm.load_pretrained`` / ``diffmm eval --model CKPT`` rebuild the model without the training code."""
-        config = getattr(self.model, "config", None)
-        if hasattr(config, "to_dict") and hasattr(config, "vision_cfg"):
-            checkpoint[MODEL_CONFIG_KEY] = config.to_dict()
 
     # ----- steps --------------------------------------------------------------------------------
     def features(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

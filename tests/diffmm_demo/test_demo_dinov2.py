@@ -10,7 +10,7 @@ import os
 import pytest
 
 import diffmm
-import diffmm.hub.pretrained_vision as pretrained_vision
+import diffmm.hub.dinov2_onnx as pretrained_vision
 
 from diffmm_demo import run_demo
 

@@ -19,8 +19,8 @@ import diffmm
 from diffmm.cli import main
 from diffmm.eval.clip_benchmark import _accuracy_numpy2, clip_benchmark, read_wds_folder, register
 from diffmm.eval.loading import load_clip
-from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
-from diffmm.hub.diffmm_export import save_export
+from diffmm.hub.formats import MODEL_KEY
+from diffmm.models.hub_mixin import model_record
 
 cb_builder = pytest.importorskip("clip_benchmark.webdataset_builder")  # CLIP_benchmark: the 'eval' extra
 
@@ -59,7 +59,7 @@ def small_model():
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory, small_model):
     folder = tmp_path_factory.mktemp("model") / "diffclip-tiny"
-    save_export(small_model, folder)
+    small_model.save_pretrained(folder)
     return str(folder)
 
 
@@ -69,7 +69,7 @@ def ckpt_path(tmp_path_factory, small_model):
     path = tmp_path_factory.mktemp("run") / "last.ckpt"
     torch.save({"pytorch-lightning_version": "2.6.6", "hyper_parameters": {"model_name": "DiffCLIP-Tiny"},
                 "state_dict": {f"model.{k}": v for k, v in small_model.state_dict().items()},
-                MODEL_CONFIG_KEY: small_model.config.to_dict()}, path)
+                MODEL_KEY: model_record(small_model)}, path)
     return str(path)
 
 

@@ -103,12 +103,11 @@ def test_model_args_string_loads_an_export(tmp_path):
     from lm_eval.api.registry import get_model
 
     import diffmm.eval.harness  # noqa: F401  (registers "diffmm")
-    from diffmm.hub.diffmm_export import save_export
     from diffmm.models.lm import DiffLM, LMConfig
 
     torch.manual_seed(0)
     model = DiffLM(LMConfig(vocab_size=49408, block_size=64, n_layer=1, n_embd=32, n_head=4)).eval()
-    save_export(model, tmp_path / "lm")
+    model.save_pretrained(tmp_path / "lm")
     lm = get_model("diffmm").create_from_arg_string(f"path={tmp_path / 'lm'},tokenizer=clip,batch_size=2")
     (ll, _), = lm.loglikelihood([_Req("the cat sat on", " the mat")])
     ids = lm.tok.encode("the cat sat on") + lm.tok.encode(" the mat")

@@ -225,7 +225,6 @@ def test_autocast_path_and_pretrained_loading(tmp_path):
     assert x.shape == (3, 64, 64)
 
 
-<<<<<<< HEAD
 class _Bar:
     """Records what a progress bar was told: its total and how far it got."""
 
@@ -253,7 +252,8 @@ def test_the_progress_bar_ends_where_max_batches_stops(data, monkeypatch, max_ba
     res = zero_shot(KeyCLIP(C, len(TEMPLATES)), KeyTokenizer(["photo", "drawing", "sketch"]), source, NAMES,
                     TEMPLATES, max_batches=max_batches)
     assert [(b.total, b.n) for b in _Bar.made] == [(total, total)] and res.n == total
-=======
+
+
 # ------------------------------------------------------------------------------------------- labels by name
 def test_labels_by_class_name(data, tmp_path):
     """Shards whose labels are class names (``json:NAME`` or ``.cls``) score as those with class indices."""
@@ -296,4 +296,3 @@ def test_an_evaluation_that_scores_nothing_is_an_error(data, tmp_path, capsys):
                "--classnames", str(tmp_path / "names.txt"), "--workers", "0", "--progress", "false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("diffmm eval zeroshot: error: zero-shot on ") and "bad_label 10" in err[-1]
->>>>>>> trainer

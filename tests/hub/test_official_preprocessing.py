@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 
 import diffmm
 from diffmm.eval.loading import load_clip
-from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.factory import create_model
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, OPENAI_MEAN, OPENAI_STD
 from diffmm.models.clip.tokenizer import CLIPTokenizer
@@ -61,7 +60,7 @@ def test_official_checkpoint_gets_official_preprocessing_on_every_path(tmp_path)
                                    atol=1e-4, rtol=0)
         assert tok.truncate == "cut" and net.config.text_cfg.truncate == "cut"
     # export -> load keeps it; so does a Lightning checkpoint of a run started from the file
-    save_export(model, tmp_path / "export")
+    model.save_pretrained(tmp_path / "export")
     assert json.loads((tmp_path / "export" / "config.json").read_text())["config"]["text_cfg"]["truncate"] == "cut"
     back = diffmm.load_pretrained(tmp_path / "export")
     assert back.config.vision_cfg.mean == IMAGENET_MEAN

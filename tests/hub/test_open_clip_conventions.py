@@ -16,7 +16,6 @@ from PIL import Image
 
 import diffmm
 from diffmm.hub.clip_convert import open_clip_to_diffmm
-from diffmm.hub.diffmm_export import save_export
 from diffmm.hub.precision import PRECISIONS, input_dtype
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD
 from diffmm.models.clip.preprocess import transforms_for
@@ -114,7 +113,7 @@ def test_logit_bias_as_open_clip(oc_names, tmp_path):
         torch.testing.assert_close(loaded.get_logits(img, txt)[0], ref.get_logits(img, txt)[0], **TOL)
     # and a diffmm export keeps it
     model.output_dict = False
-    save_export(model, tmp_path / "export")
+    model.save_pretrained(tmp_path / "export")
     with torch.no_grad():
         for a, b in zip(diffmm.load_pretrained(tmp_path / "export")(img, txt), model(img, txt)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -188,11 +187,11 @@ def test_get_model_preprocess_cfg(oc_names):
 def test_pretrained_tag_is_one_line_error():
     name = "DiffCLIP-ViT-B-16"
     tags = [t for n, t in diffmm.list_pretrained() if n == name]
-    assert tags == ["official", "timm", "diffmm"]
+    assert tags == ["diffmm", "official", "timm"]
     with pytest.raises(FileNotFoundError) as e:
         diffmm.create_model(name, pretrained="official")
     msg = str(e.value)
-    assert "\n" not in msg and "diffmm downloads nothing" in msg and "checkpoint_best.pt" in msg
+    assert "\n" not in msg and "names a format of local files" in msg and "checkpoint_best.pt" in msg
     with pytest.raises(FileNotFoundError) as e:
         diffmm.create_model(name, pretrained="laion2b_s34b_b88k")
     assert "\n" not in str(e.value) and f"list_pretrained() offers {name} with {', '.join(tags)}" in str(e.value)
@@ -201,14 +200,13 @@ def test_pretrained_tag_is_one_line_error():
 # --------------------------------------------------------------------------------------- open_clip's factory
 def test_open_clip_factory_builds_dagger_tower(oc_names):
     """``open_clip.create_model`` with ``vision_cfg.timm_model_name: diffmm_diffclip_tiny`` (after ``import diffmm``)
-    is DiffCLIP-dagger-Tiny: with the same weights, the same outputs."""
+    is DiffCLIP-dagger-Tiny: with the same weights (``visual.trunk.*`` = ``visual.*``, ``visual.head.proj.weight`` =
+    ``image_projection.T``), the same outputs; ``open_clip:NAME`` of it is that DiffCLIP."""
     torch.manual_seed(0)
     route = open_clip.create_model(oc_names["dagger"]).eval()
-    sd = open_clip_to_diffmm(route.state_dict())  # the text tower; the timm trunk is kept under its names
-    sd = {("visual." + k[len("visual.trunk."):] if k.startswith("visual.trunk.") else k): v for k, v in sd.items()}
-    sd["image_projection"] = sd.pop("visual.head.proj.weight").T
     model = diffmm.create_model("DiffCLIP-dagger-Tiny").eval()
-    model.load_state_dict(sd, strict=True)
+    model.load_state_dict(open_clip_to_diffmm(route.state_dict()), strict=True)
+    assert diffmm.create_model(f"open_clip:{oc_names['dagger']}").config == model.config
     img, txt = inputs(64, 32)
     with torch.no_grad():
         for a, b in zip(model(img, txt), route(img, txt)):

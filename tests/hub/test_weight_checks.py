@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diffmm
-from diffmm.hub.checkpoint import DamagedFileError, check_state_dict, load_state_file, torch_file_damage
-from diffmm.hub.diffmm_export import save_export
+from diffmm.hub.checkpoint import DamagedFileError, load_state_file, torch_file_damage
 from diffmm.hub.difflama import save_difflama
 from diffmm.cli import main as diffmm_main
 from diffmm.models.lm import DiffLM, LMConfig
+from diffmm.models.weights import check_state_dict
 
 TINY_CLIP = {"embed_dim": 16, "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 1,
                                              "head_width": 8},
@@ -61,7 +61,7 @@ def test_check_state_dict_refuses_non_float_for_float(dtype):
 @pytest.mark.parametrize("dtype", BAD_DTYPES, ids=str)
 def test_clip_export_and_pretrained_refuse_integer_weights(tmp_path, dtype):
     model = tiny_clip()
-    save_export(model, tmp_path / "exp")
+    model.save_pretrained(tmp_path / "exp")
     weights = tmp_path / "exp" / "model.safetensors"
     retype(weights, "text_projection", dtype)
     with pytest.raises(KeyError, match=rf"{weights}: wrong dtype: text_projection is {str(dtype)[6:]}") as e:
@@ -78,7 +78,7 @@ def test_clip_export_and_pretrained_refuse_integer_weights(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", BAD_DTYPES, ids=str)
 def test_lm_export_and_difflama_refuse_integer_weights(tmp_path, dtype):
     model = tiny_lm()
-    save_export(model, tmp_path / "exp")
+    model.save_pretrained(tmp_path / "exp")
     retype(tmp_path / "exp" / "model.safetensors", "blocks.0.attn.lambda_q1", dtype)
     with pytest.raises(KeyError, match="wrong dtype: blocks.0.attn.lambda_q1"):
         diffmm.load_pretrained(tmp_path / "exp")
@@ -90,7 +90,7 @@ def test_lm_export_and_difflama_refuse_integer_weights(tmp_path, dtype):
 
 def test_half_precision_files_still_load(tmp_path):
     model = tiny_lm()
-    save_export(model.to(torch.bfloat16), tmp_path / "exp")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "exp")
     back = diffmm.load_pretrained(tmp_path / "exp")
     ref = model.state_dict()
     assert all(torch.equal(v.to(torch.bfloat16), ref[k]) for k, v in back.state_dict().items())
@@ -137,7 +137,7 @@ def test_damaged_weight_files_name_the_file(tmp_path, capsys, how, suffix):
 
 
 def test_damaged_safetensors_in_folders_name_the_file(tmp_path):
-    save_export(tiny_lm(), tmp_path / "exp")
+    tiny_lm().save_pretrained(tmp_path / "exp")
     damage(tmp_path / "exp" / "model.safetensors", "truncated")
     with pytest.raises(DamagedFileError, match=f"{tmp_path / 'exp' / 'model.safetensors'}: not a readable"):
         diffmm.load_pretrained(tmp_path / "exp")

@@ -15,13 +15,13 @@ from safetensors import safe_open
 
 import diffmm
 from diffmm.cli import main as diffmm_main
-from diffmm.data.tokenizers import ClipBPE
-from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
-from diffmm.hub.tokenizer_files import load_folder_tokenizer
+from diffmm.data.tokenizers import ClipBPE, load_lm_tokenizer
+from diffmm.hub.formats import MODEL_KEY
 from diffmm.models.clip.config import CLIPConfig
 from diffmm.models.clip.hf_text import PACKAGED_MODELS, HFTokenizer
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.tokenizer import CLIPTokenizer
+from diffmm.models.hub_mixin import model_record
 from diffmm.models.lm import DiffLM, LMConfig
 from hf_helpers import write_tiny_bert
 
@@ -168,7 +168,7 @@ def test_difflm_saves_its_tokenizer(tmp_path):
     for text in CAPTIONS[:3] + ["Hello, World! It's 3.14159"]:
         assert hf(text)["input_ids"] == ours.encode(text)
     assert hf.eos_token_id == ours.eos_id and hf.model_max_length == model.config.block_size
-    assert isinstance(load_folder_tokenizer(tmp_path), ClipBPE)
+    assert isinstance(load_lm_tokenizer(tmp_path), ClipBPE)
     assert "tokenizer" in (tmp_path / "README.md").read_text()
     back = DiffLM.from_pretrained(tmp_path)
     assert_same_state(model, back)
@@ -211,7 +211,7 @@ def _lightning_ckpt(path: Path, model: torch.nn.Module, hparams: dict, **extra) 
 def test_export_writes_the_save_pretrained_folder(tmp_path):
     clip = clip_model("DiffCLIP-Tiny")
     ckpt = _lightning_ckpt(tmp_path / "clip.ckpt", clip, {"model_name": "DiffCLIP-Tiny"},
-                           **{MODEL_CONFIG_KEY: clip.config.to_dict()})
+                           **{MODEL_KEY: model_record(clip)})
     assert diffmm_main(["export", ckpt, str(tmp_path / "exported")]) == 0
     clip.save_pretrained(tmp_path / "saved")
     assert_same_folder(tmp_path / "exported", tmp_path / "saved")

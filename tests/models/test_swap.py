@@ -192,9 +192,8 @@ def test_swap_on_diffclip_then_export_reloads(tmp_path):
     assert model.config.text_cfg.attn_type == "diff_upcycled"
     for a, b in zip(features(model, img, txt), ref):
         torch.testing.assert_close(a, b, **TOL)
-    from diffmm.hub.diffmm_export import save_export
 
-    save_export(model, tmp_path / "exp")
+    model.save_pretrained(tmp_path / "exp")
     back = diffmm.load_pretrained(tmp_path / "exp")
     for a, b in zip(features(back, img, txt), features(model, img, txt)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)

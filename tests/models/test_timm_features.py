@@ -243,9 +243,10 @@ def test_open_clip_weights_load_under_open_clip_tag(tmp_path):
     data = resolve_data_config({}, model=net)
     assert (tuple(data["mean"]), tuple(data["std"])) == (tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD))
     with pytest.raises(ValueError, match=r"open_clip-layout weights under the pretrained tag 'diffmm', which takes "
-                                         r"clip or timm layout; load them as diffmm_openclip_tiny\.open_clip"):
+                                         r"diffclip or timm or open_clip_timm layout; load them as "
+                                         r"diffmm_openclip_tiny\.open_clip"):
         _from_file("diffmm_openclip_tiny", tmp_path / "open_clip_model.safetensors")
-    with pytest.raises(ValueError, match="tag 'official', which takes clip layout; diffmm_diffclip_tiny has no tag"):
+    with pytest.raises(ValueError, match="tag 'official', which takes diffclip layout; diffmm_diffclip_tiny has no"):
         _from_file("diffmm_diffclip_tiny.official", tmp_path / "open_clip_model.safetensors")
     with pytest.raises(ValueError, match=r"diffmm_openclip_tiny: no weights to download; give a local file with "
                                          r"pretrained_cfg_overlay=dict\(file=PATH\) \(tags: diffmm, open_clip\)"):

@@ -50,7 +50,7 @@ def test_upcycled_fit_starts_at_the_source_loss_and_its_checkpoint_loads_everywh
     state = torch.load(ckpt, weights_only=True)
     lambdas = [k for k in state["state_dict"] if k.endswith(("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"))]
     assert len(lambdas) == 4 * 2 and state["hyper_parameters"]["swap"] == {"init": "upcycle"}
-    assert state["diffmm_model_config"]["vision_cfg"]["attn_type"] == "diff_upcycled"
+    assert state["diffmm_model"]["config"]["vision_cfg"]["attn_type"] == "diff_upcycled"
     # resume to a later step (the pretrained file is read again at construction, then the checkpoint wins)
     assert fit_main(["fit", "--config", up_cfg, "--ckpt_path", "last", "--trainer.max_steps", "3"]) == 0
     assert torch.load(ckpt, weights_only=True)["global_step"] == 3

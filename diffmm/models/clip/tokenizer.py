@@ -15,6 +15,7 @@ open_clip (and ftfy, which comes with it) is imported when a tokenizer is built,
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional, Union
@@ -23,7 +24,13 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from diffmm.models.clip.config import TRUNCATE_MODES
-from diffmm.models.hub_mixin import CLIP_CAPTION, write_tokenizer_files
+
+#: tokenizer files of a folder (``transformers.AutoTokenizer`` reads them)
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE = "tokenizer.json", "tokenizer_config.json", \
+    "special_tokens_map.json"
+#: ``diffmm_tokenizer`` values of tokenizer_config.json: which diffmm tokenizer the files hold
+CLIP_BPE, CLIP_CAPTION, TOKENIZER_JSON = "clip-bpe", "clip-caption", "tokenizer.json"
+
 
 #: open_clip's word pattern (case-insensitive, as open_clip compiles it) without its special-token alternatives
 CLIP_SPLIT = r"""(?i)'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
@@ -88,7 +95,7 @@ def clip_normalizer() -> normalizers.Normalizer:
     (with ``str.lower``'s final sigma: a capital sigma after a letter and before none).
 
     Not reproduced: ftfy's mojibake repair (``fix_encoding``, a heuristic) and other entities (non-ASCII numeric
-    ones, entities nested three deep); text without those gets open_clip's ids (``tests/hub/test_tokenizer_files.py``
+    ones, entities nested three deep); text without those gets open_clip's ids (``tests/data/test_tokenizer_files.py``
     compares on real documents).
     """
     from ftfy import chardata  # comes with open_clip (imported when used, as open_clip is)
@@ -130,3 +137,28 @@ def clip_tokenizer_json(bpe, *, add_special_tokens: bool = False) -> Tokenizer:
             single=f"{sot} $A {eot}", pair=f"{sot} $A {eot} $B:1 {eot}:1",
             special_tokens=[(sot, bpe.sot_token_id), (eot, bpe.eot_token_id)])
     return tok
+
+
+def write_tokenizer_files(tok: Tokenizer, folder: Union[str, os.PathLike], *, kind: str, eos: str,
+                          bos: Optional[str] = None, pad: Optional[str] = None,
+                          model_max_length: Optional[int] = None) -> list[Path]:
+    """Write a ``tokenizers`` pipeline as ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
+    (``transformers.AutoTokenizer`` loads them as a fast tokenizer); returns the files.
+
+    Args:
+        tok: the pipeline.
+        kind: the ``diffmm_tokenizer`` entry (:data:`CLIP_BPE`, :data:`CLIP_CAPTION`, :data:`TOKENIZER_JSON`).
+        eos / bos / pad: the special tokens transformers should name (no bos: none is added).
+        model_max_length: the context length recorded for transformers (None: unlimited).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / TOKENIZER_FILE))
+    special = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False,
+              "model_max_length": int(model_max_length) if model_max_length else int(1e30), "diffmm_tokenizer": kind}
+    if pad:
+        config["pad_token"] = pad
+    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=2) + "\n")
+    return [folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE, folder / SPECIAL_TOKENS_FILE]

@@ -69,6 +69,21 @@ class VisionTransformer(nn.Module):
         self.grad_checkpointing = enable
 
     @property
+    def image_size(self) -> tuple[int, int]:
+        """open_clip's ``visual.image_size``: (height, width) of the input."""
+        return (self.cfg.image_size, self.cfg.image_size)
+
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        """open_clip's ``visual.patch_size``."""
+        return (self.cfg.patch_size, self.cfg.patch_size)
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        """open_clip's ``visual.grid_size``: patches per side."""
+        return (self.cfg.image_size // self.cfg.patch_size,) * 2
+
+    @property
     def preprocess_cfg(self) -> dict:
         """open_clip's ``visual.preprocess_cfg`` (what ``open_clip.get_model_preprocess_cfg`` reads), from the config:
         size, RGB, mean / std (``image_mean`` / ``image_std``), bicubic, shortest-side resize, fill 0."""

@@ -8,7 +8,6 @@ import torch
 
 import diffmm
 import diffmm.hub.dinov2_onnx as dinov2_onnx
-import diffmm.hub.pretrained_vision as pretrained_vision
 from diffmm.hub.dinov2_onnx import create_dinov2_vit
 from diffmm.models.clip.config import CONFIG_DIR, CLIPConfig
 from diffmm.models.clip.model import DiffCLIP
@@ -55,7 +54,7 @@ def test_checkpoint_rebuilds_without_the_onnx_file(tmp_path, reference, monkeypa
     x, _ = reference
     model = diffmm.create_model(dinov2_config(tmp_path, ["standard"] * 10 + ["diff"] * 2)).eval()
     saved = CLIPConfig.from_dict(json.loads(json.dumps(model.config.to_dict())))
-    monkeypatch.setattr(pretrained_vision, "diffclip_vision_state_dict",
+    monkeypatch.setattr(dinov2_onnx, "diffclip_vision_state_dict",
                         lambda *a, **k: pytest.fail("read the ONNX file"))
     rebuilt = DiffCLIP(saved).eval()
     rebuilt.load_state_dict(model.state_dict(), strict=True)

@@ -7,8 +7,7 @@ import os
 import pytest
 from tokenizers import Tokenizer, processors
 
-from diffmm.data.tokenizers import ClipBPE, TokenizerFile, train_byte_level_bpe
-from diffmm.hub.tokenizer_files import load_folder_tokenizer, save_tokenizer
+from diffmm.data.tokenizers import ClipBPE, TokenizerFile, load_lm_tokenizer, train_byte_level_bpe
 from diffmm.models.clip.tokenizer import CLIPTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +32,7 @@ def _real_texts() -> list[str]:
 
 
 def test_clip_bpe_lm_export_matches_open_clip(tmp_path):
-    save_tokenizer(ClipBPE(), tmp_path)
+    ClipBPE().save_pretrained(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     ours = ClipBPE()
     for text in SAMPLES + _real_texts():
@@ -41,12 +40,12 @@ def test_clip_bpe_lm_export_matches_open_clip(tmp_path):
     assert hf.eos_token_id == ours.eos_id and hf.bos_token is None
     ids = ours.encode("a photo of a cat")
     assert hf.decode(ids) == ours.decode(ids)  # "a photo of a cat " (open_clip keeps the last word's space)
-    assert isinstance(load_folder_tokenizer(tmp_path), ClipBPE)
+    assert isinstance(load_lm_tokenizer(tmp_path), ClipBPE)
 
 
 def test_clip_caption_tokenizer_adds_start_and_end(tmp_path):
     cap = CLIPTokenizer(context_length=77)
-    save_tokenizer(cap, tmp_path)
+    cap.save_pretrained(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     for text in SAMPLES[:2]:
         ids = cap(text)[0].tolist()
@@ -54,7 +53,7 @@ def test_clip_caption_tokenizer_adds_start_and_end(tmp_path):
         assert hf(text)["input_ids"] == ids[:n]
     assert hf.model_max_length == 77
     with pytest.raises(ValueError, match="caption tokenizer"):
-        load_folder_tokenizer(tmp_path)
+        load_lm_tokenizer(tmp_path)
 
 
 def test_tokenizer_file_export_drops_added_tokens(tmp_path):
@@ -64,16 +63,12 @@ def test_tokenizer_file_export_drops_added_tokens(tmp_path):
     raw.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", tok.eos_id)])
     raw.save(str(tmp_path / "src" / "tokenizer.json"))
     tok = TokenizerFile(str(tmp_path / "src" / "tokenizer.json"), eos_token="</s>")
-    save_tokenizer(tok, tmp_path / "out")
+    tok.save_pretrained(tmp_path / "out")
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     for text in SAMPLES + [t[:5000] for t in texts]:
         assert hf(text)["input_ids"] == tok.encode(text)
     assert hf.eos_token == "</s>"
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["diffmm_tokenizer"] == "tokenizer.json"
-    again = load_folder_tokenizer(tmp_path / "out")
+    again = load_lm_tokenizer(tmp_path / "out")
     assert again.eos_id == tok.eos_id and again.encode(SAMPLES[0]) == tok.encode(SAMPLES[0])
 
-
-def test_unknown_tokenizer_is_one_error(tmp_path):
-    with pytest.raises(TypeError, match="no tokenizer files for int"):
-        save_tokenizer(3, tmp_path)
