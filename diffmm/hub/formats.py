@@ -19,11 +19,14 @@ import torch
 from diffmm.hub.checkpoint import load_state_file, peek_keys, raise_if_damaged, read_state_dict
 from diffmm.hub.clip_convert import (from_open_clip_config, infer_clip_config, infer_timm_vit_config, key_layout,
                                      mha_text_to_diffmm, open_clip_to_diffmm, timm_vit_to_diffmm)
+from diffmm.hub.dinov2_onnx import init_pretrained_vision
 from diffmm.hub.difflama import MODEL_TYPE, from_difflama, hf_to_lm_config, load_state_file_folder, read_json
 from diffmm.hub.open_clip_models import open_clip_config
+from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.config import IMAGENET_MEAN, IMAGENET_STD, CLIPConfig, UnknownModelError, load_config_file
 from diffmm.models.hub_mixin import CONFIG, MARKER, WEIGHTS, read_export, read_record
 from diffmm.models.lm import LMConfig
+from diffmm.models.weight_refs import WEIGHT_REFS_KEY, restore_weights
 
 log = logging.getLogger("diffmm.hub")
 
@@ -89,6 +92,9 @@ def _read_lightning(path: Path, *, prefix: str = "model.", trust_pickle: bool = 
                        LMConfig.from_dict(read_json(Path(model_config)), source=model_config), sd)
     if model_name is None and MODEL_KEY in ckpt:
         cls, config = read_record(ckpt[MODEL_KEY], source=f"{path}: {MODEL_KEY}")
+        if ckpt.get(WEIGHT_REFS_KEY):  # locked pretrained towers saved by reference (LiTModule(save_locked=False))
+            towers = init_pretrained_vision(config) if config.vision_cfg.pretrained else DiffCLIP(config)
+            restore_weights(sd, ckpt[WEIGHT_REFS_KEY], towers.state_dict(), where=str(path))
         return Weights(cls.export_kind, config, sd)
     if model_name is None and isinstance(ckpt.get(OLD_CLIP_CONFIG_KEY), dict):
         return Weights("clip", CLIPConfig.from_dict(ckpt[OLD_CLIP_CONFIG_KEY], source=f"{path}: {OLD_CLIP_CONFIG_KEY}"),

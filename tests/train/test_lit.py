@@ -253,12 +253,9 @@ def test_fit_locked_cached_resume_and_load(tmp_path, image_text_data, model_json
 # ------------------------------------------------------------------------------- locked weights by reference
 def test_fit_saves_the_locked_tower_by_reference(tmp_path, image_text_data, model_json):
     """``save_locked: false``: checkpoints name the locked pretrained text encoder (its folder and a SHA-256 of its
-    weights) and hold what trained; the run resumes from them, and the loader's one call rebuilds the model
+    weights) and hold what trained; the run resumes from them, and ``diffmm.load_pretrained`` rebuilds the model
     exactly."""
-    from diffmm.hub.checkpoint import MODEL_CONFIG_KEY
-    from diffmm.models.clip.config import CLIPConfig
-    from diffmm.models.clip.model import DiffCLIP
-    from diffmm.models.weight_refs import WEIGHT_REFS_KEY, restore_weights
+    from diffmm.models.weight_refs import WEIGHT_REFS_KEY
 
     root = str(tmp_path / "run")
     config = clip_config(root, image_text_data, max_steps=2, model_name=model_json["standard"])
@@ -279,9 +276,7 @@ def test_fit_saves_the_locked_tower_by_reference(tmp_path, image_text_data, mode
     cli = run_cli(["fit", "--config", cfg, "--ckpt_path", "last", "--trainer.max_steps", "3"])
     assert cli.trainer.global_step == 3
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    model = DiffCLIP(CLIPConfig.from_dict(state[MODEL_CONFIG_KEY]))  # what the loader builds from the config
-    sd = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    model.load_state_dict(restore_weights(sd, state[WEIGHT_REFS_KEY], model.state_dict(), where=ckpt), strict=True)
+    model = diffmm.load_pretrained(ckpt)  # the user's path: the locked tower comes back from its source
     images, tokens = batch(cli.model)
     trained = cli.model.model.eval()
     with torch.no_grad():
