@@ -45,7 +45,7 @@ def test_lm_paper_recipe(path):
     t, m, d = cfg["trainer"], cfg["model"]["init_args"], cfg["data"]["init_args"]
     from diffmm.models.lm_configs import LM_CONFIGS
 
-    assert m["model_name"] in LM_CONFIGS and LM_CONFIGS[m["model_name"]]["block_size"] == 2048
+    assert m["model_name"] in LM_CONFIGS and LM_CONFIGS[m["model_name"]]["context_length"] == 2048
     tokens = t["devices"] * t["num_nodes"] * d["batch_size"] * t["accumulate_grad_batches"] * 2048
     assert abs(tokens - 250_000) / 250_000 < 0.06  # 0.25M-token batches
     assert (m["betas"], m["weight_decay"], m["warmup_steps"], m["lr"]) == ([0.9, 0.98], 0.05, 375, 1.5e-3)
