@@ -48,14 +48,14 @@ def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
     from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_embd=args.width,
-                   n_head=2 * args.heads, attention="diff", tie_embeddings=False)
+    cfg = LMConfig(vocab_size=args.vocab, context_length=args.seq, layers=args.layers, width=args.width,
+                   heads=2 * args.heads, attn_type="diff", tie_embeddings=False)
     save_difflama(DiffLM(cfg), folder / "difflama")
     models = {DIFF: diffmm.load_pretrained(folder / "difflama"),
               HF_DIFF: DiffLlamaForCausalLM.from_pretrained(folder / "difflama", attn_implementation=args.hf_attn),
               HF_LLAMA: LlamaForCausalLM.from_pretrained(folder / "difflama", attn_implementation=args.hf_attn)}
     if args.with_twin:
-        twin = DiffLM(LMConfig(**{**cfg.to_dict(), "attention": "standard"}))
+        twin = DiffLM(LMConfig(**{**cfg.to_dict(), "attn_type": "standard"}))
         twin_sd = twin.state_dict()
         src = models[DIFF].state_dict()
         twin.load_state_dict({k: src[k] if k in src and src[k].shape == v.shape else v for k, v in twin_sd.items()})

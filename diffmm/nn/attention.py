@@ -9,7 +9,6 @@ import torch.nn as nn
 
 from diffmm.nn.attention_layer import AttentionLayer, StdAttnWeights
 from diffmm.nn.kv_cache import KVCache
-from diffmm.nn.rope import apply_rope
 from diffmm.ops import attention
 
 torch.fx.wrap("attention")  # an FX leaf: its checks and backend dispatch run on real tensors
@@ -47,13 +46,8 @@ class Attention(AttentionLayer, attn_type="standard"):
         """x (B, N, E) -> (B, N, E); arguments as in :meth:`DiffAttention.forward`."""
         B, N, _ = x.shape
         H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, N, H, d)
-        k = self.k_proj(x).view(B, N, Hk, d)
+        q, k = self.project_qk(x, rope, H, Hk)  # (B, N, H, d), (B, N, Hk, d)
         v = self.v_proj(x).view(B, N, Hk, d)
-        if self.use_rope:
-            if rope is None:
-                raise ValueError("Attention was built with use_rope=True; forward needs rope=(cos, sin)")
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         out = attention(q, k, v, causal=self.causal if causal is None else causal, attn_mask=attn_mask,

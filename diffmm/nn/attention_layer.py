@@ -152,12 +152,14 @@ class AttentionLayer(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} cannot be built from a standard layer's weights "
                                   f"(init='upcycle'); use init='scratch'")
 
-    def _project(self, x: torch.Tensor, rope, q_maps: int, k_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (B, N, q_maps, d) and k (B, N, k_heads, d) of ``x``, RoPE applied."""
+    def project_qk(self, x: torch.Tensor, rope, q_maps: int, k_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, N, q_maps, d) and k (B, N, k_heads, d) of ``x`` (B, N, E), RoPE applied when the layer uses it."""
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, q_maps, self.head_dim)
         k = self.k_proj(x).view(B, N, k_heads, self.head_dim)
-        if self.use_rope and rope is not None:
+        if self.use_rope:
+            if rope is None:
+                raise ValueError(f"{type(self).__name__} was built with use_rope=True; forward needs rope=(cos, sin)")
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k
 
@@ -165,5 +167,5 @@ class AttentionLayer(nn.Module):
         """The query maps and key heads of a call on ``x`` (no KV cache), for attention capture. Default: one
         query map per head, head i reading kv head ``i // (num_heads / num_kv_heads)``."""
         h, hk = self.num_heads, self.num_kv_heads
-        q, k = self._project(x, rope, h, hk)
+        q, k = self.project_qk(x, rope, h, hk)
         return QKMaps(q, k, torch.arange(h, device=x.device) // (h // hk))

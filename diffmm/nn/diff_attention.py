@@ -11,7 +11,6 @@ from diffmm.nn.attention_layer import AttentionLayer, QKMaps
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import lambda_full, resolve_lambda_init
 from diffmm.nn.norm import RMSNorm
-from diffmm.nn.rope import apply_rope
 from diffmm.ops import diff_attention
 
 torch.fx.wrap("diff_attention")  # FX leaves: checks, dtype choices and backend dispatch run on real tensors
@@ -82,13 +81,8 @@ class DiffAttention(AttentionLayer, attn_type="diff"):
         """Project x (B, N, E) to q (B, N, 2h, d), k (B, S, 2h_kv, d), v (B, S, h_kv, 2d); RoPE and cache applied."""
         B, N, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, N, 2 * h, d)  # components 2i, 2i+1 belong to head i
-        k = self.k_proj(x).view(B, N, 2 * hk, d)
+        q, k = self.project_qk(x, rope, 2 * h, 2 * hk)  # components 2i, 2i+1 belong to head i
         v = self.v_proj(x).view(B, N, hk, 2 * d)
-        if self.use_rope:
-            if rope is None:
-                raise ValueError(f"{type(self).__name__} was built with use_rope=True; forward needs rope=(cos, sin)")
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         return q, k, v
@@ -117,7 +111,7 @@ class DiffAttention(AttentionLayer, attn_type="diff"):
         """Query maps (B, N, 2h, d), key maps (B, N, 2h_kv, d); map c of head c // 2 reads key map c % 2 of its kv
         group; lambda as a 0-d tensor."""
         h, hk = self.num_heads, self.num_kv_heads
-        q, k = self._project(x, rope, 2 * h, 2 * hk)
+        q, k = self.project_qk(x, rope, 2 * h, 2 * hk)
         c = torch.arange(2 * h, device=x.device)
         return QKMaps(q, k, 2 * (c // 2 // (h // hk)) + c % 2, self.lambda_full())
 

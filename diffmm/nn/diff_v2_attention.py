@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from diffmm.nn.attention_layer import AttentionLayer, QKMaps, StdAttnWeights, pair_rows
 from diffmm.nn.kv_cache import KVCache
-from diffmm.nn.rope import apply_rope
 from diffmm.ops.diff_v2 import check_v2_heads, diff_v2_attention
 
 torch.fx.wrap("diff_v2_attention")  # an FX leaf: its checks and backend dispatch run on real tensors
@@ -76,13 +75,8 @@ class DiffV2Attention(AttentionLayer, attn_type="diff_v2"):
         """
         B, N, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, N, 2 * h, d)  # (B, N, 2h, d)
-        k = self.k_proj(x).view(B, N, hk, d)  # (B, N, h_kv, d)
+        q, k = self.project_qk(x, rope, 2 * h, hk)  # (B, N, 2h, d), (B, N, h_kv, d)
         v = self.v_proj(x).view(B, N, hk, d)
-        if self.use_rope:
-            if rope is None:
-                raise ValueError("DiffV2Attention was built with use_rope=True; forward needs rope=(cos, sin)")
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         out = diff_v2_attention(q, k, v, self.lambda_logits(x), causal=self.causal if causal is None else causal,
@@ -111,7 +105,7 @@ class DiffV2Attention(AttentionLayer, attn_type="diff_v2"):
         """Query maps (B, N, 2h, d), kv heads (B, N, h_kv, d); both maps of head i read kv head
         2i // (2h / h_kv); the per-token weights sigmoid(x W_lambda) (B, N, h)."""
         h, hk = self.num_heads, self.num_kv_heads
-        q, k = self._project(x, rope, 2 * h, hk)
+        q, k = self.project_qk(x, rope, 2 * h, hk)
         return QKMaps(q, k, torch.arange(2 * h, device=x.device) // (2 * h // hk),
                       torch.sigmoid(self.lambda_logits(x)))
 

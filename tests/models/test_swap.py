@@ -17,8 +17,7 @@ import diffmm
 from diffmm.models.attn_adapters import MHAUpcycledDiffAttention
 from diffmm.models.swap import replacement_layer
 from diffmm.models.timm_models import set_layer_depths, timm_attn_layer
-from diffmm.models.upcycle import UpcycledDiffAttention
-from diffmm.nn import DiffAttention, DiffV2Attention
+from diffmm.nn import DiffAttention, DiffV2Attention, UpcycledDiffAttention
 
 OC_CFG = dict(embed_dim=48, vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=2, head_width=16),
               text_cfg=dict(context_length=16, vocab_size=49408, width=64, heads=4, layers=2))

@@ -11,8 +11,7 @@ import torch.nn as nn
 import diffmm
 from diffmm.models.attn_adapters import HFBertDiffV2Attention, HFBertUpcycledDiffAttention
 from diffmm.models.swap import get_attn
-from diffmm.models.upcycle import UpcycledDiffAttention
-from diffmm.nn import DiffAttention, DiffV2Attention
+from diffmm.nn import DiffAttention, DiffV2Attention, UpcycledDiffAttention
 
 transformers = pytest.importorskip("transformers")
 

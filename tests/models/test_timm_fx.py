@@ -2,7 +2,8 @@
 its own models (``test_model_forward_fx`` / ``test_model_backward_fx``: torchvision's feature extraction with timm's
 leaf modules and autowrapped functions), plus timm's ``feature_cls='fx'`` wrapper and plain ``symbolic_trace``.
 
-The tiny models run by default, every registered ``diffmm_*`` model with ``-m slow``. TorchScript is not supported
+The tiny models run by default (backward: one per attention type), every registered ``diffmm_*`` model with
+``-m slow``. TorchScript is not supported
 (docs/models.md).
 """
 from __future__ import annotations
@@ -18,6 +19,9 @@ from diffmm.ops import attention
 
 TINY = [n for n in TIMM_MODELS if n.endswith("_tiny") or "_tiny_" in n]
 MODELS = TINY + [pytest.param(n, marks=pytest.mark.slow) for n in TIMM_MODELS if n not in TINY]
+#: one tiny model per attention type (standard, diff constant / depth lambda_init, DIFF V2) by default
+BWD = ["diffmm_clip_tiny", "diffmm_diffclip_tiny", "diffmm_diffclip_star_tiny", "diffmm_diffclipv2_tiny"]
+BWD_MODELS = BWD + [pytest.param(n, marks=pytest.mark.slow) for n in TIMM_MODELS if n not in BWD]
 
 
 def _create_fx_model(model, train=False):
@@ -44,8 +48,7 @@ def _input_size(model) -> tuple:
 
 
 def test_tiny_models_cover_every_attention_type():
-    assert {"diffmm_clip_tiny", "diffmm_diffclip_tiny", "diffmm_diffclip_star_tiny", "diffmm_diffclipv2_tiny"} <= set(
-        TINY)
+    assert set(BWD) <= set(TINY)
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -60,7 +63,7 @@ def test_model_forward_fx(model_name):
     assert not torch.isnan(outputs).any()
 
 
-@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("model_name", BWD_MODELS)
 def test_model_backward_fx(model_name):
     """timm's ``test_model_backward_fx``: every parameter of the traced model gets a gradient."""
     model = timm.create_model(model_name, pretrained=False, num_classes=42).train()

@@ -65,7 +65,7 @@ class ToyAttention(AttentionLayer, attn_type="toy"):
         self.tau.fill_(1.0)
 
     def capture(self, x, rope=None) -> QKMaps:
-        q, k = self._project(x, rope, self.num_heads, self.num_kv_heads)
+        q, k = self.project_qk(x, rope, self.num_heads, self.num_kv_heads)
         H = self.num_heads
         return QKMaps(q * self.tau[:, None].to(q.dtype), k,
                       torch.arange(H, device=x.device) // (H // self.num_kv_heads))

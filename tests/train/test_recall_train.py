@@ -53,7 +53,7 @@ def test_recall_configs_run_two_steps_and_load(path, tmp_path):
     model = diffmm.load_pretrained(ckpt)
     kwargs = cfg["model"]["init_args"]["model_kwargs"]
     assert isinstance(model, DiffLM) and model.config.vocab_size == kwargs["vocab_size"] == 64
-    assert model.config.attention == kwargs["attention"]
+    assert model.config.attn_type == kwargs["attn_type"]
     state = torch.load(ckpt, weights_only=True)["state_dict"]
     assert all(torch.equal(v, state[f"model.{k}"]) for k, v in model.state_dict().items())
 
