@@ -29,6 +29,8 @@ TILES = {
     "bwd_dq": {64: [(64, 32, 8, 2), (32, 64, 8, 2)],
                128: [(32, 64, 8, 2), (32, 32, 8, 2)]},
 }
+# Added on sm_90 only: BLOCK_M = 64 lets these use Hopper's wgmma; on sm_8x they spill.
+HOPPER_TILES = {"fwd": {128: [(64, 32, 8, 2)]}, "bwd_dq": {128: [(64, 32, 8, 2)]}}
 
 
 def tile(config: triton.Config) -> tuple[int, int, int, int]:
@@ -38,7 +40,8 @@ def tile(config: triton.Config) -> tuple[int, int, int, int]:
 
 def configs(kernel: str) -> list[triton.Config]:
     """Every tile of ``kernel`` (all head dims, in order) as autotune configs."""
-    tiles = dict.fromkeys(t for by_d in TILES[kernel].values() for t in by_d)
+    tiles = dict.fromkeys(t for table in (TILES, HOPPER_TILES) for by_d in table.get(kernel, {}).values()
+                          for t in by_d)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
@@ -49,11 +52,17 @@ def device_limits() -> tuple[int, int]:
     return props["max_shared_mem"], props["max_num_regs"]
 
 
+def tiles_for(kernel: str, d: int, arch: int) -> list[tuple[int, int, int, int]]:
+    """The tiles of ``kernel`` for head dim ``d`` on compute capability ``arch`` (e.g. 90), in order."""
+    d = 64 if d <= 64 else 128
+    return TILES[kernel][d] + (HOPPER_TILES.get(kernel, {}).get(d, []) if arch == 90 else [])
+
+
 def pruner(kernel: str, jit_fn):
     """``early_config_prune`` for ``kernel`` (a key of :data:`TILES`) whose JIT function is ``jit_fn``."""
 
     def prune(configs, named_args, **kwargs):
-        listed = TILES[kernel][64 if kwargs["D"] <= 64 else 128]
+        listed = tiles_for(kernel, kwargs["D"], driver.active.get_current_target().arch)
         candidates = sorted((c for c in configs if tile(c) in listed), key=lambda c: listed.index(tile(c)))
         smem, regs = device_limits()
         keep = []

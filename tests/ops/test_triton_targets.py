@@ -37,13 +37,15 @@ def test_kernels_compile_for_target_launchable_and_spill_free(target):
 
 @needs_driver
 def test_pruner_follows_the_drivers_shared_memory(monkeypatch):
-    """sm_86/89 (99 KB) drop the tiles only sm_80/90 hold; AUTOTUNE=0 keeps the first tile that fits."""
+    """sm_86/89 (99 KB) drop the tiles only sm_80/90 hold, sm_90 adds its wgmma tile; AUTOTUNE=0 keeps the first
+    tile that fits."""
     def kept(target, name="bwd_dq", d=128):
         with T.stand_in(target):
             return [triton_tiles.tile(c) for c in T.kept_configs(T._inputs(d, torch.float16, True)[name])]
 
     listed = triton_tiles.TILES["bwd_dq"][128]
-    assert kept("sm_90") == listed and kept("sm_80") == listed
+    hopper = triton_tiles.tiles_for("bwd_dq", 128, 90)
+    assert kept("sm_80") == listed and kept("sm_90") == hopper and len(hopper) > len(listed)  # + a wgmma tile
     small = kept("sm_86")
     assert small and small == kept("sm_89") and set(small) < set(listed)
     monkeypatch.setattr(triton_tiles, "AUTOTUNE", False)
