@@ -73,9 +73,10 @@ def unsupported_reason() -> Optional[str]:
         return "the kernels were imported under TRITON_INTERPRET=1"
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
-    except ImportError as e:
-        return f"Triton's NVIDIA backend is missing: {e}"
+        from triton.knobs import nvidia
+        nvidia.ptxas.path  # noqa: B018  (the bundled ptxas; sm_80 to sm_90 need no other)
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"Triton's NVIDIA backend or its ptxas is missing: {e}"
     return None
 
 
@@ -124,12 +125,12 @@ def _ptxas_record(kernel) -> dict:
     path = RECORDS / f"{kernel.hash}.json"
     if path.exists():
         return json.loads(path.read_text())
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.knobs import nvidia
     arch = re.search(r"\.target (sm_\w+)", kernel.asm["ptx"]).group(1)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "k.ptx")
         src.write_text(kernel.asm["ptx"])
-        out = subprocess.run([get_ptxas(kernel.metadata.target.arch).path, "-v", f"--gpu-name={arch}", str(src),
+        out = subprocess.run([nvidia.ptxas.path, "-v", f"--gpu-name={arch}", str(src),
                               "-o", str(src.with_suffix(".o"))], capture_output=True, text=True, check=True)
     stack, stores, loads, regs = (int(x) for x in _PTXAS.search(out.stderr + out.stdout).groups())
     rec = {"registers": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
