@@ -60,3 +60,14 @@ def test_process_report_lists_compiled_binaries():
     tiles = {(b["BLOCK_M"], b["BLOCK_N"], b["num_warps"], b["num_stages"]) for b in bins if b["D"] == 64}
     assert tiles and tiles <= set(triton_tiles.TILES["fwd"][64])
     assert all(b["shared"] > 0 and b["n_regs"] is None for b in bins)  # never loaded on a device
+
+
+@needs_driver
+def test_a_spilling_tile_is_caught():
+    """64 query rows at d = 128 spill on sm_80 (ptxas -v: 60 bytes spill stores, 56 bytes stack frame): the cubin
+    check sees it, so the test above can fail."""
+    launch = T._inputs(128, torch.bfloat16, True)["fwd"]
+    config = next(c for c in launch.kernel.configs if triton_tiles.tile(c) == (64, 32, 8, 2))
+    r = T.compile_one("sm_80", "fwd", launch, config)
+    assert r.spill_stores > 0 and r.stack > 0 and not r.ok
+    assert r.registers == 255 and r.cubin_ok and r.shared <= r.shared_limit
