@@ -2,7 +2,7 @@
 
 Every tile in :data:`TILES` compiles without register spills for sm_80, sm_86, sm_89 and sm_90 at its head dim
 (bf16 and fp16, causal or not): ``tests/ops/test_triton_targets.py`` compiles exactly the kept tiles for those
-targets, and docs/kernels.md (section 6) has the table. Shared memory is not estimated: the pruner compiles
+targets, and docs/kernels.md (section 4.1) has the table. Shared memory is not estimated: the pruner compiles
 each listed tile for the active target (what the autotuner does next anyway; the binary stays in Triton's
 cache) and keeps those within the per-block limit Triton's driver reports, so a stand-in driver
 (:mod:`diffmm.ops.triton_targets`) exercises it with no GPU, and an sm_86/89 card (99 KB) drops the tiles
