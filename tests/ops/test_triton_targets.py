@@ -45,10 +45,11 @@ def test_pruner_follows_the_drivers_shared_memory(monkeypatch):
             return [triton_tiles.tile(c) for c in T.kept_configs(T._inputs(d, torch.float16, True)[name])]
 
     listed = triton_tiles.TILES["bwd_dq"][128]
-    hopper = triton_tiles.tiles_for("bwd_dq", 128, 90)
-    assert kept("sm_80") == listed and kept("sm_90") == hopper and len(hopper) > len(listed)  # + a wgmma tile
+    assert kept("sm_80") == listed == kept("sm_90")
     small = kept("sm_86")
     assert small and small == kept("sm_89") and set(small) < set(listed)
+    fwd = triton_tiles.TILES["fwd"][128]
+    assert kept("sm_80", "fwd") == fwd and kept("sm_90", "fwd") == triton_tiles.tiles_for("fwd", 128, 90) != fwd
     monkeypatch.setattr(triton_tiles, "AUTOTUNE", False)
     assert kept("sm_90") == listed[:1] and kept("sm_86") == small[:1]
 
