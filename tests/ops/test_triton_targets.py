@@ -3,9 +3,10 @@
 Through the project's wrappers and autotuners under a stand-in driver (``diffmm.ops.triton_targets``): d 64 and
 128, bf16 and fp16, causal and not, every tile the pruner keeps for the target. Each binary must target the
 architecture, be an ELF cubin, need no more shared memory than the target's per-block limit and spill nothing
-(``ptxas -v``). Needs Triton 3.6-3.8 (``TRITON_RANGE``; skipped with the reason otherwise) and no
-``TRITON_INTERPRET``. Binaries come from Triton's cache and ptxas figures from ``~/.cache/diffmm/ptxas``, so a
-warm run takes seconds; a cold one compiles ~45 binaries per target (~50 s of CPU each).
+(no ``STL`` in its SASS, no stack frame). Needs Triton 3.6-3.8 (``TRITON_RANGE``; skipped with the reason
+otherwise) and no ``TRITON_INTERPRET``. Binaries come from Triton's cache and their figures from
+``~/.cache/diffmm/cubin``, so a warm run takes seconds; a cold one compiles ~45 binaries per target (~50 s of CPU
+each).
 """
 from __future__ import annotations
 
