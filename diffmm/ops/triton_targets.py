@@ -9,7 +9,8 @@ and spill stores out of each cubin. :func:`compile_report` runs the project's ow
 Relies on Triton's driver and compiler internals as of Triton 3.6 to 3.8 (:data:`TRITON_RANGE`);
 :func:`unsupported_reason` says why another version cannot be driven. Cubin figures are kept per compiled kernel
 (its hash covers source, target and options) under ``~/.cache/diffmm/cubin`` next to Triton's own cache, so a
-warm rerun only loads binaries. Run ``python -m diffmm.ops.triton_targets`` to print the docs table.
+warm rerun only loads binaries. ``python -m diffmm.ops.triton_targets --write docs/kernels.md`` renews the docs
+table.
 """
 from __future__ import annotations
 
@@ -230,15 +231,29 @@ def table(rows: list[Compiled]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    """Compile the whole matrix and print the table (and the rows as JSON lines with ``-v``)."""
-    import sys
+def write_table(markdown: Path, text: str) -> None:
+    """Replace the table in ``markdown`` that starts with the same header line as ``text``."""
+    lines, new = markdown.read_text().split("\n"), text.split("\n")
+    start = lines.index(new[0])
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    markdown.write_text("\n".join(lines[:start] + new + lines[end:]))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Compile the whole matrix and print the table; ``--write FILE`` replaces it in a markdown file (the docs),
+    ``-v`` prints every binary as a JSON line too."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--write", type=Path, help="markdown file whose table to replace, e.g. docs/kernels.md")
+    parser.add_argument("-v", action="store_true", help="print one JSON line per binary")
+    args = parser.parse_args(argv)
     rows = [r for target in TARGETS for d in (64, 128) for dtype in (torch.bfloat16, torch.float16)
             for causal in (False, True) for r in compile_report(target, d, dtype, causal)]
-    if "-v" in sys.argv:
-        for r in rows:
-            print(json.dumps(asdict(r)))
+    for r in rows if args.v else []:
+        print(json.dumps(asdict(r)))
     print(table(rows))
+    if args.write:
+        write_table(args.write, table(rows))
 
 
 if __name__ == "__main__":

@@ -73,3 +73,10 @@ def test_a_spilling_tile_is_caught():
     r = T.compile_one("sm_80", "fwd", launch, config)
     assert r.spill_stores > 0 and r.stack > 0 and not r.ok
     assert r.registers == 255 and r.cubin_ok and r.shared <= r.shared_limit
+
+
+def test_write_table_replaces_only_the_table(tmp_path):
+    doc = tmp_path / "k.md"
+    doc.write_text("intro\n\n| target | d |\n|---|---|\n| old | 1 |\n\nafter\n")
+    T.write_table(doc, "| target | d |\n|---|---|\n| sm_80 | 64 |\n| sm_90 | 128 |")
+    assert doc.read_text() == "intro\n\n| target | d |\n|---|---|\n| sm_80 | 64 |\n| sm_90 | 128 |\n\nafter\n"
