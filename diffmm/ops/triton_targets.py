@@ -2,14 +2,15 @@
 
 Triton compiles ahead of time for an explicit target with no GPU: a stand-in driver
 (``triton.runtime.driver.driver.set_active``) answers the target, device, stream and device properties, and
-``JITFunction.warmup`` compiles without launching. The bundled ``ptxas`` then reports registers and spills
-(``ptxas -v``). :func:`compile_report` runs the project's own wrappers (``fwd_launches`` / ``bwd_launches``) and
-autotuners on meta tensors, so exactly the tiles the pruner keeps for that target are compiled.
+``JITFunction.warmup`` compiles without launching; the bundled ``cuobjdump`` reads registers, stack frame
+and spill stores out of each cubin. :func:`compile_report` runs the project's own wrappers (``fwd_launches``,
+``bwd_launches``) and autotuners on meta tensors, so exactly the tiles the pruner keeps for that target compile.
 
 Relies on Triton's driver and compiler internals as of Triton 3.6 to 3.8 (:data:`TRITON_RANGE`);
-:func:`unsupported_reason` says why another version cannot be driven. Ptxas figures are kept per compiled kernel
-(its hash covers source, target and options) under ``~/.cache/diffmm/ptxas`` next to Triton's own cache, so a
-warm rerun only loads binaries. Run ``python -m diffmm.ops.triton_targets`` to print the docs table.
+:func:`unsupported_reason` says why another version cannot be driven. Cubin figures are kept per compiled kernel
+(its hash covers source, target and options) under ``~/.cache/diffmm/cubin`` next to Triton's own cache, so a
+warm rerun only loads binaries. ``python -m diffmm.ops.triton_targets --write docs/kernels.md`` renews the docs
+table.
 """
 from __future__ import annotations
 
@@ -34,14 +35,13 @@ TRITON_RANGE = ((3, 6), (3, 9))  # [low, high) of the Triton versions whose inte
 # Shared memory per block (opt-in maximum) and registers per block of each compute capability.
 TARGETS = {"sm_80": (80, 166912), "sm_86": (86, 101376), "sm_89": (89, 101376), "sm_90": (90, 232448)}
 REGS_PER_BLOCK = 65536
-RECORDS = Path(os.environ.get("DIFFMM_PTXAS_CACHE", Path.home() / ".cache" / "diffmm" / "ptxas"))
-_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?"
-                    r"Used (\d+) registers", re.S)
+RECORDS = Path(os.environ.get("DIFFMM_CUBIN_RECORDS", Path.home() / ".cache" / "diffmm" / "cubin"))
+_STL_BYTES = {".64": 8, ".128": 16, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2}  # other STL widths store 4 bytes
 
 
 @dataclass
 class Compiled:
-    """One compiled kernel: what it is, which tile, and what ptxas and Triton report."""
+    """One compiled kernel: what it is, which tile, and what its cubin and Triton's metadata say."""
 
     target: str
     kernel: str
@@ -53,14 +53,14 @@ class Compiled:
     cubin_ok: bool
     registers: int
     spill_stores: int
-    spill_loads: int
+    stack: int
     shared: int
     shared_limit: int
 
     @property
     def ok(self) -> bool:
         """Launchable (valid cubin, shared memory within the limit) and spill-free."""
-        return self.cubin_ok and self.shared <= self.shared_limit and self.spill_stores == 0
+        return self.cubin_ok and self.shared <= self.shared_limit and self.spill_stores == 0 and self.stack == 0
 
 
 def unsupported_reason() -> Optional[str]:
@@ -73,9 +73,10 @@ def unsupported_reason() -> Optional[str]:
         return "the kernels were imported under TRITON_INTERPRET=1"
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
-    except ImportError as e:
-        return f"Triton's NVIDIA backend is missing: {e}"
+        from triton.knobs import nvidia
+        nvidia.ptxas.path, nvidia.cuobjdump.path  # noqa: B018  (the bundled tools; sm_80 to sm_90 need no other)
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"Triton's NVIDIA backend or its ptxas / cuobjdump is missing: {e}"
     return None
 
 
@@ -119,20 +120,24 @@ def stand_in(target: str):
         driver.set_active(previous)
 
 
-def _ptxas_record(kernel) -> dict:
-    """Registers and spills of a compiled kernel (``ptxas -v`` on its PTX), kept under :data:`RECORDS`."""
+def _binary_record(kernel) -> dict:
+    """Registers, stack frame and spill-store bytes of a kernel's cubin, kept under :data:`RECORDS`.
+
+    Read from the binary itself (``cuobjdump -res-usage -sass``): spill stores are its ``STL`` (store to local)
+    instructions, summed by width, the figure ``ptxas -v`` prints as "bytes spill stores".
+    """
     path = RECORDS / f"{kernel.hash}.json"
     if path.exists():
         return json.loads(path.read_text())
-    from triton.backends.nvidia.compiler import get_ptxas
-    arch = re.search(r"\.target (sm_\w+)", kernel.asm["ptx"]).group(1)
+    from triton.knobs import nvidia
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp, "k.ptx")
-        src.write_text(kernel.asm["ptx"])
-        out = subprocess.run([get_ptxas(kernel.metadata.target.arch).path, "-v", f"--gpu-name={arch}", str(src),
-                              "-o", str(src.with_suffix(".o"))], capture_output=True, text=True, check=True)
-    stack, stores, loads, regs = (int(x) for x in _PTXAS.search(out.stderr + out.stdout).groups())
-    rec = {"registers": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
+        cubin = Path(tmp, "k.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([nvidia.cuobjdump.path, "-res-usage", "-sass", str(cubin)], capture_output=True,
+                             text=True, check=True).stdout
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", out).groups())
+    stores = sum(_STL_BYTES.get(m.group(1) or "", 4) for m in re.finditer(r"\bSTL(\.\w+)?\s", out))
+    rec = {"registers": regs, "spill_stores": stores, "stack": stack}
     RECORDS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec))
     return rec
@@ -161,26 +166,31 @@ def _inputs(d: int, dtype: torch.dtype, causal: bool, N: int = 1024, h: int = 4)
     return dict(zip(("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"), fwd + bwd))
 
 
+def compile_one(target: str, name: str, launch, config) -> Compiled:
+    """Compile ``launch`` with ``config`` (None: a plain JIT kernel) under the stand-in for ``target``."""
+    kwargs = dict(launch.kwargs, **(config.all_kwargs() if config is not None else {}))
+    fn = launch.kernel.fn if config is not None else launch.kernel
+    with stand_in(target):
+        kernel = fn.warmup(*launch.args, grid=(1,), **kwargs)
+    rec = _binary_record(kernel)
+    desc = (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+            if config is not None else f"w{launch.kwargs.get('num_warps', 4)}")
+    q = launch.args[0]
+    return Compiled(target, name, kwargs["D"], str(q.dtype).replace("torch.", ""), kwargs.get("CAUSAL", False),
+                    desc, re.search(r"\.target (sm_\w+)", kernel.asm["ptx"]).group(1),
+                    kernel.asm.get("cubin", b"")[:4] == b"\x7fELF", rec["registers"], rec["spill_stores"],
+                    rec["stack"], kernel.metadata.shared, TARGETS[target][1])
+
+
 def compile_report(target: str, d: int, dtype: torch.dtype, causal: bool, kernels=None) -> list[Compiled]:
     """Compile every kernel (or those named in ``kernels``) of one (d, dtype, causal) call for ``target``, once
     per config its autotuner keeps there, and report each binary."""
     out = []
-    with stand_in(target):
-        for name, launch in _inputs(d, dtype, causal).items():
-            if kernels is not None and name not in kernels:
-                continue
-            for config in kept_configs(launch):
-                kwargs = dict(launch.kwargs, **(config.all_kwargs() if config is not None else {}))
-                fn = launch.kernel.fn if config is not None else launch.kernel
-                kernel = fn.warmup(*launch.args, grid=(1,), **kwargs)
-                rec = _ptxas_record(kernel)
-                ptx_target = re.search(r"\.target (sm_\w+)", kernel.asm["ptx"]).group(1)
-                cubin = kernel.asm.get("cubin", b"")
-                desc = (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} w{config.num_warps} "
-                        f"s{config.num_stages}" if config is not None else f"w{launch.kwargs.get('num_warps', 4)}")
-                out.append(Compiled(target, name, d, str(dtype).replace("torch.", ""), causal, desc, ptx_target,
-                                    cubin[:4] == b"\x7fELF", rec["registers"], rec["spill_stores"],
-                                    rec["spill_loads"], kernel.metadata.shared, TARGETS[target][1]))
+    for name, launch in _inputs(d, dtype, causal).items():
+        if kernels is None or name in kernels:
+            with stand_in(target):
+                configs = kept_configs(launch)
+            out += [compile_one(target, name, launch, config) for config in configs]
     return out
 
 
@@ -210,25 +220,40 @@ def table(rows: list[Compiled]) -> str:
     groups: dict = {}
     for r in rows:
         groups.setdefault((r.target, r.d, r.kernel), []).append(r)
-    lines = ["| target | d | kernel | configs kept | registers | spill stores (B) | shared KB (limit) | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | d | kernel | configs kept | registers | spill stores (B) | stack (B) | shared KB (limit) "
+             "| ok |", "|---|---|---|---|---|---|---|---|---|"]
     for (target, d, kernel), rs in groups.items():
         configs = ", ".join(dict.fromkeys(r.config for r in rs))
         lines.append(f"| {target} | {d} | {kernel} | {configs} | {max(r.registers for r in rs)} | "
-                     f"{max(r.spill_stores for r in rs)} | {max(r.shared for r in rs) / 1024:.0f} "
+                     f"{max(r.spill_stores for r in rs)} | {max(r.stack for r in rs)} | "
+                     f"{max(r.shared for r in rs) / 1024:.0f} "
                      f"({rs[0].shared_limit / 1024:.0f}) | {'yes' if all(r.ok for r in rs) else 'NO'} |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    """Compile the whole matrix and print the table (and the rows as JSON lines with ``-v``)."""
-    import sys
+def write_table(markdown: Path, text: str) -> None:
+    """Replace the table in ``markdown`` that starts with the same header line as ``text``."""
+    lines, new = markdown.read_text().split("\n"), text.split("\n")
+    start = lines.index(new[0])
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    markdown.write_text("\n".join(lines[:start] + new + lines[end:]))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Compile the whole matrix and print the table; ``--write FILE`` replaces it in a markdown file (the docs),
+    ``-v`` prints every binary as a JSON line too."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--write", type=Path, help="markdown file whose table to replace, e.g. docs/kernels.md")
+    parser.add_argument("-v", action="store_true", help="print one JSON line per binary")
+    args = parser.parse_args(argv)
     rows = [r for target in TARGETS for d in (64, 128) for dtype in (torch.bfloat16, torch.float16)
             for causal in (False, True) for r in compile_report(target, d, dtype, causal)]
-    if "-v" in sys.argv:
-        for r in rows:
-            print(json.dumps(asdict(r)))
+    for r in rows if args.v else []:
+        print(json.dumps(asdict(r)))
     print(table(rows))
+    if args.write:
+        write_table(args.write, table(rows))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Every tile in :data:`TILES` compiles without register spills for sm_80, sm_86, sm_89 and sm_90 at its head dim
 (bf16 and fp16, causal or not): ``tests/ops/test_triton_targets.py`` compiles exactly the kept tiles for those
-targets, and docs/kernels.md (section 6) has the table. Shared memory is not estimated: the pruner compiles
+targets, and docs/kernels.md (section 4.1) has the table. Shared memory is not estimated: the pruner compiles
 each listed tile for the active target (what the autotuner does next anyway; the binary stays in Triton's
 cache) and keeps those within the per-block limit Triton's driver reports, so a stand-in driver
 (:mod:`diffmm.ops.triton_targets`) exercises it with no GPU, and an sm_86/89 card (99 KB) drops the tiles
@@ -27,8 +27,10 @@ TILES = {
     "bwd_dkdv": {64: [(64, 32, 8, 2), (32, 32, 8, 2)],
                  128: [(32, 32, 8, 2)]},
     "bwd_dq": {64: [(64, 32, 8, 2), (32, 64, 8, 2)],
-               128: [(32, 64, 8, 2), (32, 32, 8, 2)]},
+               128: [(32, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)]},
 }
+# Added on sm_90 only: 64 query rows let the d = 128 forward use Hopper's wgmma; on sm_8x it spills.
+HOPPER_TILES = {"fwd": {128: [(64, 32, 8, 2)]}}
 
 
 def tile(config: triton.Config) -> tuple[int, int, int, int]:
@@ -38,7 +40,8 @@ def tile(config: triton.Config) -> tuple[int, int, int, int]:
 
 def configs(kernel: str) -> list[triton.Config]:
     """Every tile of ``kernel`` (all head dims, in order) as autotune configs."""
-    tiles = dict.fromkeys(t for by_d in TILES[kernel].values() for t in by_d)
+    tiles = dict.fromkeys(t for table in (TILES, HOPPER_TILES) for by_d in table.get(kernel, {}).values()
+                          for t in by_d)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
@@ -49,11 +52,17 @@ def device_limits() -> tuple[int, int]:
     return props["max_shared_mem"], props["max_num_regs"]
 
 
+def tiles_for(kernel: str, d: int, arch: int) -> list[tuple[int, int, int, int]]:
+    """The tiles of ``kernel`` for head dim ``d`` on compute capability ``arch`` (e.g. 90), in order."""
+    d = 64 if d <= 64 else 128
+    return TILES[kernel][d] + (HOPPER_TILES.get(kernel, {}).get(d, []) if arch == 90 else [])
+
+
 def pruner(kernel: str, jit_fn):
     """``early_config_prune`` for ``kernel`` (a key of :data:`TILES`) whose JIT function is ``jit_fn``."""
 
     def prune(configs, named_args, **kwargs):
-        listed = TILES[kernel][64 if kwargs["D"] <= 64 else 128]
+        listed = tiles_for(kernel, kwargs["D"], driver.active.get_current_target().arch)
         candidates = sorted((c for c in configs if tile(c) in listed), key=lambda c: listed.index(tile(c)))
         smem, regs = device_limits()
         keep = []
