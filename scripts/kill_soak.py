@@ -93,8 +93,13 @@ def main() -> int:
         while kills < args.kills and proc.poll() is None and step_of(root) < target:
             time.sleep(0.02)
         if kills < args.kills and proc.poll() is None:
-            time.sleep(rng.uniform(0, 0.3))  # anywhere in the step: inside a save too
-            in_save += bool(glob.glob(os.path.join(root, "checkpoints", ".*.tmp-*")))
+            saving = lambda: glob.glob(os.path.join(root, "checkpoints", ".*.tmp-*"))  # noqa: E731
+            if rng.random() < 0.5:  # half the kills inside a save: as soon as its temporary file appears
+                while not saving() and proc.poll() is None:
+                    time.sleep(0.001)
+            else:
+                time.sleep(rng.uniform(0, 0.3))  # anywhere in a step
+            in_save += bool(saving())
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             kills += 1
