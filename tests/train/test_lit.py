@@ -307,7 +307,8 @@ def test_dinov2_and_minilm_by_reference():
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lit_diffclip_dinov2_emoji.yaml")
     with open(path) as f:
-        args = {k: v for k, v in yaml.safe_load(f)["model"]["init_args"].items() if k != "zeroshot"}
+        args = {k: v for k, v in yaml.safe_load(f)["model"]["init_args"].items()
+                if k not in ("zeroshot", "save_locked")}
     saved = LiTModule(**args, save_locked=False)
     full = saved.state_dict()
     ckpt = {"state_dict": dict(full)}
