@@ -25,7 +25,7 @@ import torch.nn as nn
 from diffmm.models.attn_adapters import additive_mask
 from diffmm.models.clip.config import TextCfg, layer_attn_types
 from diffmm.models.swap import swap_attention
-from diffmm.models.upcycle import UPCYCLE_TYPES
+from diffmm.nn import UPCYCLE_TYPES
 
 #: Hugging Face names whose files an installed pip package bundles: name -> (module, folder inside it, pip name)
 PACKAGED_MODELS = {
