@@ -115,16 +115,14 @@ class Case:
 # Odd lengths crossing many tiles, d = 64 and 128, GQA 1/2/4, S < N (rows that see no key) and S > N (KV cache,
 # cross attention), a fully padded sequence, causal and not, norm with / without weight / none; only four compiled
 # variants per dtype (d, causal, padding, norm), since every Triton compile costs seconds.
-GPU_CASES = [Case("pad-gqa2-odd-d64", 2, 1000, 1000, 4, 2, 64, False, True),
-             Case("causal-gqa2-odd-d64", 1, 1237, 1237, 4, 2, 64, True, False),
-             Case("causal-S<N-emptyrows-d64", 1, 777, 333, 4, 2, 64, True, False, "plain"),
-             Case("causal-kvcache-S>N-pad-gqa4-d128", 2, 301, 1237, 8, 2, 128, True, True),
-             Case("cross-S>N-odd-nonorm-d128", 1, 519, 1031, 4, 4, 128, False, False, None)]
-DRY_CASES = [Case("pad-gqa2-odd-d64", 2, 33, 33, 4, 2, 64, False, True),  # 16 x 16 tiles in the interpreter
-             Case("causal-gqa2-odd-d64", 1, 35, 35, 4, 2, 64, True, False),
-             Case("causal-S<N-emptyrows-d64", 1, 33, 17, 4, 2, 64, True, False, "plain"),
-             Case("causal-kvcache-S>N-pad-gqa4-d128", 2, 9, 35, 4, 1, 128, True, True),
-             Case("cross-S>N-odd-nonorm-d128", 1, 17, 33, 2, 2, 128, False, False, None)]
+CASES = [  # name, (B, N, S, h, h_kv) on the GPU and in the dry run (16 x 16 tiles in the interpreter), the rest
+    ("pad-gqa2-odd-d64", (2, 1000, 1000, 4, 2), (2, 33, 33, 4, 2), 64, False, True),
+    ("causal-gqa2-odd-d64", (1, 1237, 1237, 4, 2), (1, 35, 35, 4, 2), 64, True, False),
+    ("causal-S<N-emptyrows-d64", (1, 777, 333, 4, 2), (1, 33, 17, 4, 2), 64, True, False, "plain"),
+    ("causal-kvcache-S>N-pad-gqa4-d128", (2, 301, 1237, 8, 2), (2, 9, 35, 4, 1), 128, True, True),
+    ("cross-S>N-odd-nonorm-d128", (1, 519, 1031, 4, 4), (1, 17, 33, 2, 2), 128, False, False, None)]
+GPU_CASES = [Case(name, *gpu, *rest) for name, gpu, _, *rest in CASES]
+DRY_CASES = [Case(name, *dry, *rest) for name, _, dry, *rest in CASES]
 
 # Part 2. 16k tokens per batch (B = tokens / N) at width 2048 (h = width / 2d); the targets of issue 16.
 SPEED_GPU = dict(width=2048, tokens=16384, Ns=[4096, 16384, 1024], dims=[128, 64], check_max_n=4096,

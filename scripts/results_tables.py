@@ -49,20 +49,10 @@ def _load_demo(root: str, folder: str = DEMO_DIR) -> dict:
         return json.load(f)
 
 
-def _recorded_preset(root: str) -> str | None:
-    """The preset ('full', 'quick' or 'custom') recorded when the run was imported (``results/demo/config.json``):
-    the presets' code may change after a run, so the docs follow what was recorded, not today's defaults."""
-    path = os.path.join(root, "results", "demo", "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("preset")
-
-
 def demo_run(root: str) -> str:
     r = _load_demo(root)
     cfg, env = r["config"], r["environment"]
-    preset = _recorded_preset(root) or cfg.get("preset", "custom")
+    preset = cfg.get("preset", "custom")  # as recorded by the run (config.json holds the same)
     steps = r.get("steps", [])
     failed = [s["name"] for s in steps if s["status"] == "failed"]
     command = r["command"].replace("diffmm demo", "python -m diffmm_demo run", 1)  # its name inside the package

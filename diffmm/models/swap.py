@@ -258,7 +258,7 @@ def swap_attention(model: nn.Module, *, towers: Union[None, str, Iterable[str]] 
         layers: None (all), an index, a list (negative counts from the end), or ``{tower: indices}``.
         init: ``'scratch'`` (the new layer's own init) or ``'upcycle'`` (function-preserving).
         attn_type: a registered attention type (``'diff'``, ``'diff_v2'``, ``'standard'``, ...). With
-            ``init='upcycle'``, ``'diff'`` builds :class:`diffmm.models.upcycle.UpcycledDiffAttention`.
+            ``init='upcycle'``, ``'diff'`` builds :class:`diffmm.nn.UpcycledDiffAttention`.
         lambda_init: ``'constant'`` (0.8, DiffCLIP), ``'depth'`` (by the index within the tower) or a number.
         backend: attention backend of the new layers (default: the replaced diffmm layer's, else automatic).
         generator: RNG for the upcycled layers' random parts.

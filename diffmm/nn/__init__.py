@@ -6,7 +6,7 @@ from diffmm.nn.diff_v2_attention import DiffV2Attention
 from diffmm.nn.factory import create_attention, get_attention_class
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
-from diffmm.nn.mlp import Mlp, QuickGELU, SwiGLU, create_act
+from diffmm.nn.mlp import QuickGELU, SwiGLU, create_act
 from diffmm.nn.norm import LayerNorm, RMSNorm
 from diffmm.nn.param_count import attention_param_report
 from diffmm.nn.rope import RotaryEmbedding, apply_rope, rotate_half
@@ -15,5 +15,5 @@ from diffmm.nn.upcycled_diff_attention import UpcycledDiffAttention
 __all__ = ["Attention", "AttentionLayer", "DiffAttention", "DiffV2Attention", "UpcycledDiffAttention",
            "ATTENTION_LAYERS", "UPCYCLE_TYPES", "QKMaps", "StdAttnWeights", "create_attention",
            "get_attention_class", "KVCache", "attention_param_report", "lambda_init_depth", "resolve_lambda_init",
-           "Mlp", "QuickGELU", "SwiGLU", "create_act", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rope",
+           "QuickGELU", "SwiGLU", "create_act", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rope",
            "rotate_half"]

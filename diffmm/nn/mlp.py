@@ -38,16 +38,3 @@ def create_act(name: str) -> nn.Module:
         return ACTIVATIONS[name]()
     except KeyError:
         raise ValueError(f"unknown activation {name!r}; expected one of {', '.join(ACTIVATIONS)}") from None
-
-
-class Mlp(nn.Module):
-    """``fc2(act(fc1(x)))`` with biases (ViT / CLIP)."""
-
-    def __init__(self, dim: int, hidden_dim: int, act: str = "gelu", bias: bool = True):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim, bias=bias)
-        self.act = create_act(act)
-        self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))

@@ -9,7 +9,7 @@ from diffmm.ops import flash as _flash
 from diffmm.ops.diff_v2 import diff_v2_attention
 from diffmm.ops.functional import attention, diff_attention
 from diffmm.ops.reference import attention_reference, diff_attention_reference
-from diffmm.ops.registry import (AUTO_ORDER, ENV_VAR, AttentionBackend, AttentionCall, available_backends,
+from diffmm.ops.registry import (AUTO_ORDER, ENV_VAR, AttentionBackend, AttentionCall,
                                  get_backend, list_backends, register_backend, select_backend)
 from diffmm.ops.sdpa import attention_sdpa, diff_attention_sdpa
 
@@ -33,5 +33,5 @@ except ImportError:  # triton not installed, or the module not built yet
 __all__ = [
     "diff_attention", "attention", "diff_v2_attention", "diff_attention_reference", "attention_reference",
     "diff_attention_sdpa", "attention_sdpa", "AttentionBackend", "AttentionCall", "register_backend",
-    "get_backend", "list_backends", "available_backends", "select_backend", "AUTO_ORDER", "ENV_VAR",
+    "get_backend", "list_backends", "select_backend", "AUTO_ORDER", "ENV_VAR",
 ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -46,7 +45,7 @@ class AttentionBackend:
         diff: implementation of :func:`diffmm.ops.diff_attention` (same signature), or None.
         standard: implementation of :func:`diffmm.ops.attention`, or None.
         unsupported: returns None when the backend can run the call, else the reason (one line).
-        description: one line for ``available_backends()`` listings.
+        description: one line saying what the backend is.
     """
 
     name: str
@@ -82,14 +81,6 @@ def get_backend(name: str) -> AttentionBackend:
 def list_backends(op: str | None = None) -> list[str]:
     """Names of registered backends (that implement ``op`` if given)."""
     return sorted(n for n, b in _BACKENDS.items() if op is None or getattr(b, op) is not None)
-
-
-def available_backends(op: str = "diff", device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> dict[str, Optional[str]]:
-    """For each backend implementing ``op``: None if it can run a plain call on ``device``/``dtype``, else why not."""
-    q = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 1, 2, 64))  # nothing allocated
-    call = AttentionCall(op, q, None, False, 64, 128 if op == "diff" else 64)
-    return {n: _BACKENDS[n].unsupported(call) for n in list_backends(op)}
 
 
 def select_backend(call: AttentionCall, backend: str | None = None) -> AttentionBackend:

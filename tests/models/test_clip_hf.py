@@ -16,7 +16,7 @@ from diffmm.models.clip import hf_text
 from diffmm.models.clip.config import CLIPConfig
 from diffmm.models.clip.model import DiffCLIP
 from diffmm.models.clip.preprocess import tokenizer_for
-from diffmm.models.upcycle import UPCYCLED
+from diffmm.nn import UpcycledDiffAttention
 from hf_helpers import POSITIONS, SPECIAL, WORDS, write_tiny_bert
 
 transformers = pytest.importorskip("transformers")
@@ -176,7 +176,8 @@ def test_swap_attention_on_hf_tower(bert_dir, ids):
     ref = text_features(model, ids)
     diffmm.swap_attention(model, towers="text", attn_type="diff", init="upcycle", layers=[0, -1])
     torch.testing.assert_close(text_features(model, ids), ref, **TOL)
-    assert model.config.text_cfg.attn_type == [UPCYCLED, "standard", UPCYCLED]  # the registered upcycled type
+    upcycled = UpcycledDiffAttention.attn_type  # the registered upcycled type
+    assert model.config.text_cfg.attn_type == [upcycled, "standard", upcycled]
     assert model.config.vision_cfg.attn_type == "diff"  # the image tower is untouched
     rebuilt = DiffCLIP(CLIPConfig.from_dict(model.config.to_dict())).eval()
     rebuilt.load_state_dict(model.state_dict(), strict=True)

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from diffmm.ops import available_backends, diff_v2_attention, list_backends
+from diffmm.ops import AttentionCall, diff_v2_attention, get_backend, list_backends
 
 
 def cpu_standard_backends():
-    ok = available_backends("standard", "cpu", torch.float64)
-    return [b for b in list_backends("standard") if ok.get(b) is None]
+    call = AttentionCall("standard", torch.empty(1, 1, 2, 64, dtype=torch.float64), None, False, 64, 64)
+    return [b for b in list_backends("standard") if get_backend(b).unsupported(call) is None]
 
 
 def v2_eager(q, k, v, lam_logits, *, causal=False, pad=None, add_mask=None):

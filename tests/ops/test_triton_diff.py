@@ -192,7 +192,6 @@ def test_custom_op_registration_is_consistent():
 def test_auto_dispatch_picks_triton_under_interpreter():
     q = torch.randn(1, 8, 4, 32)
     assert select_backend(AttentionCall("diff", q, None, False, 32, 64)).name == "triton"
-    assert ops.available_backends("diff", "cpu", torch.float32)["triton"] is None
 
 
 @needs_interp

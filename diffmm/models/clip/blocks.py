@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-import diffmm.models.upcycle  # noqa: F401  (registers the 'diff_upcycled' attention type)
 from diffmm.nn import LayerNorm, create_act
 
 

