@@ -13,10 +13,11 @@ in N, like a flash kernel. Causal chunks only touch the keys they can see. The m
 both maps and, for GQA, over the query heads of a kv group (folded into the rows), so K and V are never
 repeated.
 
-Where the time goes on a CPU is the elementwise passes over the (rows, S) maps, so each chunk reuses one
-preallocated score buffer, the softmax and its backward run in place (fused ATen kernels), the causal mask
-is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products instead of
-the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node (no per-op graph).
+Where the time goes on a CPU is the elementwise passes over the (rows, S) maps and fresh multi-MiB buffers (a
+page fault per 4 KiB on first touch), so the temporaries live in per-thread scratch buffers reused by every chunk
+and call, the softmax writes the maps next to the scores and its backward runs in place (fused ATen kernels),
+the causal mask is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products
+instead of the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node.
 
 Everything runs in fp32 (fp64 for fp64 inputs). This is the sdpa backend's ``combined`` layout, its default on
 CPU (see :mod:`diffmm.ops.sdpa`).
