@@ -18,8 +18,8 @@ schedule, clipping) is inside.
 
 Runs alternate between contenders ``--repeats`` times (a round: every contender back to back, the order reversed
 every round); the table shows medians, and the speed against open_clip as the median [range] of the per-round
-ratios of the runs' median wall-clock steps (open_clip / plain loop). The JSON records the CPU model, torch version,
-threads and the 1-minute load average at start and end.
+ratios of the runs' median steps (open_clip / plain loop; CPU clock at 1 thread, else wall). The JSON records
+the CPU model, torch version, threads and the 1-minute load average at start and end.
 """
 from __future__ import annotations
 
@@ -202,10 +202,10 @@ def lm_contenders(cfg: LMConfig, lr: float, wd: float) -> dict:
 def measure(label: str, unit: str, contenders: dict, batches: list, args, items: int, steps: int | None = None) -> dict:
     """Per-step wall and process-CPU times of every contender, pooled over alternating runs (on a shared machine the
     CPU time of this process, one compute thread, counts only the work done: the fairer overhead measure), and each
-    run's median wall step. A contender may return a note (which open_clip step ran); the last one is kept."""
+    run's median step. A contender may return a note (which open_clip step ran); the last one is kept."""
     steps = steps or args.steps
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in contenders}
-    runs: dict[str, list[float]] = {k: [] for k in contenders}  # median wall step of each run
+    runs: dict[str, list[float]] = {k: [] for k in contenders}  # median step of each run (CPU clock at 1 thread)
     notes = {}
     for r in range(args.repeats):
         for name, fn in (list(contenders.items()) if r % 2 == 0 else list(contenders.items())[::-1]):
@@ -214,7 +214,7 @@ def measure(label: str, unit: str, contenders: dict, batches: list, args, items:
             notes[name] = fn(data, steps)
             for clock in ("wall", "cpu"):
                 times[name][clock] += data.step_times(args.warmup, clock)
-            runs[name].append(statistics.median(data.step_times(args.warmup)))
+            runs[name].append(statistics.median(data.step_times(args.warmup, "cpu" if args.threads == 1 else "wall")))
             print(f"# {label} run {r + 1}/{args.repeats} {name}: median step wall "
                   f"{statistics.median(times[name]['wall']):.4f} s, cpu {statistics.median(times[name]['cpu']):.4f} s",
                   file=sys.stderr)
@@ -232,7 +232,7 @@ def print_table(results: list[dict], args, env: dict, step_note: str) -> None:
           f"{env['load_1m_start']:.1f} at the start, {env['load_1m_end']:.1f} at the end)\n")
     print("Rates from the median step time measured on this process's CPU clock (wall-clock rates in brackets).\n")
     print("| workload | unit | plain PyTorch | diffmm Lightning | open_clip step | Lightning overhead (CPU) | "
-          "Lightning overhead (wall) | plain loop vs open_clip (paired, wall) |")
+          "Lightning overhead (wall) | plain loop vs open_clip (paired) |")
     print("|---|---|---|---|---|---|---|---|")
     for res in results:
         c, w, sp = res["rate_cpu"], res["rate_wall"], res["speed_vs_open_clip"]
