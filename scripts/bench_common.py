@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -96,6 +97,12 @@ def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, iter
         print(f"  {tag}round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()) +
               f" (load {loads[-1]:.1f})", flush=True)
     return times, loads
+
+
+def paired(peer: list[float], ours: list[float]) -> dict:
+    """Per-round ratios ``peer / ours`` of step times taken back to back (> 1: ours is faster): median, range, all."""
+    r = [p / o for p, o in zip(peer, ours)]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r), "rounds": r}
 
 
 def print_profile(title: str, fn: Callable[[], object], row_limit: int) -> None:

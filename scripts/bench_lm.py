@@ -11,12 +11,13 @@ weights are loaded three ways:
   holding the DIFF LM's tensors (a timing twin: same shapes and work, not the same function).
 
 One training step = forward, mean next-token cross entropy, backward, AdamW step (same optimizer settings for
-every model). Models are timed in interleaved rounds and the median per model is reported, so machine noise
-hits all of them alike; the 1-minute load average is printed beside the table. The JSON records the CPU model,
+every model). Models are timed in interleaved rounds (peers and ours back to back; the order alternates); the
+speeds are the median and range of the per-round ratios peer / ours, so machine noise hits all of them alike; the
+1-minute load average is printed beside the table. The JSON records the CPU model,
 torch version, threads and the 1-minute load average at start and end.
 
     PYTHONPATH=. python scripts/bench_lm.py                          # 58M LM, batch 4 x 512, 2 threads
-    PYTHONPATH=. python scripts/bench_lm.py --rounds 7 --json results/bench_lm.json
+    PYTHONPATH=. python scripts/bench_lm.py --rounds 9 --json results/bench_lm.json
     PYTHONPATH=. python scripts/bench_lm.py --compile                # also diffmm DIFF LM under torch.compile
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import diffmm
-from bench_common import (Runner, add_timing_args, environment, interleaved_rounds, print_profile, warm_up,
+from bench_common import (Runner, add_timing_args, environment, interleaved_rounds, paired, print_profile, warm_up,
                           write_json)
 from diffmm.hub.difflama import save_difflama
 from diffmm.models.lm import DiffLM, LMConfig
@@ -104,8 +105,8 @@ def run(args) -> dict:
         n = r.name
         rows.append(dict(model=n, params_m=r.params_m(), sec_per_step=med[n], tokens_per_s=tokens / med[n],
                          warmup_s=warm[n],
-                         speed_vs_difflama=med[HF_DIFF] / med[n] if HF_DIFF in med else None,
-                         speed_vs_llama=med[HF_LLAMA] / med[n] if HF_LLAMA in med else None, all_s=times[n]))
+                         speed_vs_difflama=paired(times[HF_DIFF], times[n]) if HF_DIFF in med else None,
+                         speed_vs_llama=paired(times[HF_LLAMA], times[n]) if HF_LLAMA in med else None, all_s=times[n]))
     return {**env, "load_1m_end": os.getloadavg()[0], "batch": args.batch, "seq": args.seq, "layers": args.layers,
             "width": args.width, "diff_heads": args.heads, "vocab": args.vocab, "hf_attn": args.hf_attn,
             "clock": "thread_cpu" if args.cpu_time else "wall", "loadavg_1m": [min(loads), max(loads)], "rows": rows}
@@ -123,12 +124,13 @@ def table(res: dict) -> str:
     lines = [f"CPU ({res['cpu']}), fp32, {res['threads']} threads, torch {res['torch']}, LM {res['layers']} layers x "
              f"width {res['width']}, {res['diff_heads']} differential heads (standard: {2 * res['diff_heads']}), vocab "
              f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; HF attention {res['hf_attn']}; "
-             f"{res['clock']} clock, median of interleaved rounds; 1-min load {res['loadavg_1m'][0]:.1f}-"
-             f"{res['loadavg_1m'][1]:.1f}", "",
+             f"{res['clock']} clock, {len(res['rows'][0]['all_s'])} interleaved rounds; speed = median [range] of the "
+             f"per-round ratios peer / model; 1-min load {res['loadavg_1m'][0]:.1f}-{res['loadavg_1m'][1]:.1f}", "",
              "| model | params (M) | s/step | tokens/s | speed vs HF DiffLlama | speed vs HF Llama | warm-up s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        ratios = [f"{r[k]:.2f}x" if r[k] is not None else "-" for k in ("speed_vs_difflama", "speed_vs_llama")]
+        ratios = [f"{r[k]['median']:.2f}x [{r[k]['min']:.2f}-{r[k]['max']:.2f}]" if r[k] else "-"
+                  for k in ("speed_vs_difflama", "speed_vs_llama")]
         lines.append(f"| {r['model']} | {r['params_m']:.1f} | {r['sec_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
                      f"{ratios[0]} | {ratios[1]} | {r['warmup_s']:.1f} |")
     return "\n".join(lines)
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    add_timing_args(p, rounds=5, iters=2, iters_help="training steps per model per round")
+    add_timing_args(p, rounds=7, iters=1, iters_help="training steps per model per round")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--with-twin", action="store_true", help="also time diffmm's standard-attention LM")
     p.add_argument("--compile", action="store_true", help="also time the DIFF LM under torch.compile")

@@ -1,21 +1,24 @@
 """Training-step throughput: diffmm's Lightning modules vs a plain PyTorch loop vs open_clip's training step.
 
     PYTHONPATH=. python scripts/bench_train.py       # CLIP-Tiny / DiffCLIP-Tiny on emoji shards + a tiny DIFF LM
-    PYTHONPATH=. python scripts/bench_train.py --steps 30 --repeats 3 --json bench_train.json
+    PYTHONPATH=. python scripts/bench_train.py --clip-models DiffCLIP-Tiny --clip-batch 64 --threads 2 --repeats 9 \
+        --no-lm --json results/bench_train_diffclip.json       # DiffCLIP-Tiny vs open_clip, paired rounds (issue 32)
 
-Every contender trains the same model (same init) on the same batches, cached in memory so the
-data loader is out of the picture (``scripts/bench_data.py`` measures it). Time is measured the
-same way for all: from the request of batch ``warmup`` to the request of the last batch, so all
-per-step overhead (hooks, logging, progress bar, LR schedule, clipping) is inside.
+Every contender trains the same model (same init) on the same batches, cached in memory so the data loader is out
+of the picture (``scripts/bench_data.py`` measures it). Time is measured the same way for all: from the request of
+batch ``warmup`` to the request of the last batch, so all per-step overhead (hooks, logging, progress bar, LR
+schedule, clipping) is inside.
 
 * ``lightning``: ``pl.Trainer.fit`` with diffmm's module and what the ``diffmm`` CLI adds
   (TensorBoard + CSV loggers every 10 steps, LR monitor, ModelCheckpoint, progress bar, lambda logging).
 * ``plain``: the same model, loss, AdamW groups, warmup+cosine, clipping, logit-scale clamp in a
   hand-written loop (loss ``.item()`` every 10 steps).
 * ``open_clip``: ``open_clip_train.train.train_one_epoch`` (when installed; otherwise the plain loop with
-  ``open_clip.loss.ClipLoss``) on open_clip's own CLIP of the same size.
+  ``open_clip.loss.ClipLoss``) on open_clip's own CLIP of the same size (also the peer of DiffCLIP).
 
-Runs alternate between contenders ``--repeats`` times; the table shows medians and ratios. The JSON records
+Runs alternate between contenders ``--repeats`` times (a round: every contender back to back, the order reversed
+every round); the table shows medians, and the speed against open_clip as the median [range] of the per-round
+ratios of the runs' median steps (open_clip / plain loop; CPU clock at 1 thread, else wall). The JSON records
 the CPU model, torch version, threads and the 1-minute load average at start and end.
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 import diffmm
-from bench_common import environment, write_json
+from bench_common import environment, paired, write_json
 from diffmm.models.clip.config import get_model_config
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.train.callbacks import Checkpoint
@@ -58,7 +61,6 @@ from diffmm.train.optim import WarmupCosineLR, adamw
 
 class TimedBatches:
     """Cached batches, iterated ``steps`` times; records when each batch is requested (wall and CPU clocks)."""
-
     def __init__(self, batches: list, steps: int, compile: bool = False) -> None:
         self.batches, self.steps, self.times, self.cpu, self.compile = batches, steps, [], [], compile
 
@@ -72,8 +74,7 @@ class TimedBatches:
             self.cpu.append(time.process_time())
             yield self.batches[i % len(self.batches)]
 
-    # what open_clip_train's train_one_epoch reads
-    @property
+    @property  # what open_clip_train's train_one_epoch reads: num_batches, num_samples
     def num_batches(self) -> int:
         return self.steps
 
@@ -185,54 +186,48 @@ def open_clip_twin(name: str) -> torch.nn.Module:
                                             heads=t.heads, layers=t.layers, mlp_ratio=t.mlp_ratio), output_dict=True)
 
 
-def contenders(make_module: Callable, make_model: Callable, loss_fn: Callable, lr: float, wd: float,
-               clamp: bool) -> dict:
-    """Lightning (``make_module()``) and the plain loop (``make_model()``), as ``measure`` runs contenders."""
-    return {"lightning": lambda data, steps: run_lightning(make_module(), data, steps),
-            "plain": lambda data, steps: run_plain(make_model(), data, steps, loss_fn, lr, wd, clamp)}
-
-
 def clip_contenders(name: str, lr: float, wd: float) -> dict:
-    """Lightning and the plain loop on diffmm's ``name``; open_clip's step too when ``name`` is a standard CLIP."""
-    out = contenders(lambda: CLIPModule(name, lr=lr, weight_decay=wd, warmup_steps=3, min_lr=lr / 50),
-                     lambda: diffmm.create_model(name), clip_loss, lr, wd, clamp=True)
-    if get_model_config(name).vision_cfg.attn_type == "standard":
-        out["open_clip"] = lambda data, steps: run_open_clip(open_clip_twin(name), data, steps, lr, wd)
-    return out
+    """Lightning and the plain loop on diffmm's ``name``, open_clip's step on open_clip's CLIP of its size."""
+    return {"lightning": lambda data, steps: run_lightning(
+                CLIPModule(name, lr=lr, weight_decay=wd, warmup_steps=3, min_lr=lr / 50), data, steps),
+            "plain": lambda data, steps: run_plain(diffmm.create_model(name), data, steps, clip_loss, lr, wd, True),
+            "open_clip": lambda data, steps: run_open_clip(open_clip_twin(name), data, steps, lr, wd)}
 
 
 def lm_contenders(cfg: LMConfig, lr: float, wd: float) -> dict:
     """Lightning and the plain loop on a DIFF LM of ``cfg``."""
-    return contenders(lambda: LMModule(model=DiffLM(cfg), context_length=cfg.block_size, lr=lr, weight_decay=wd,
-                                       warmup_steps=3, min_lr=lr / 50),
-                      lambda: DiffLM(cfg), lm_loss, lr, wd, clamp=False)
+    return {"lightning": lambda data, steps: run_lightning(LMModule(
+                model=DiffLM(cfg), context_length=cfg.block_size, lr=lr, weight_decay=wd, warmup_steps=3,
+                min_lr=lr / 50), data, steps),
+            "plain": lambda data, steps: run_plain(DiffLM(cfg), data, steps, lm_loss, lr, wd, clamp=False)}
 
 
 # ----- measure and report ----------------------------------------------------------------------------
 def measure(label: str, unit: str, contenders: dict, batches: list, args, items: int, steps: int | None = None) -> dict:
-    """Per-step wall and process-CPU times of every contender, pooled over alternating runs.
-
-    On a shared machine the wall clock includes waiting for other processes; the CPU time of this
-    process (one compute thread) counts only the work done, so it is the fairer overhead measure.
-    A contender may return a note (which open_clip step ran); the last one is kept.
-    """
+    """Per-step wall and process-CPU times of every contender, pooled over alternating runs (on a shared machine the
+    CPU time of this process, one compute thread, counts only the work done: the fairer overhead measure), and each
+    run's median step. A contender may return a note (which open_clip step ran); the last one is kept."""
     steps = steps or args.steps
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in contenders}
+    runs: dict[str, list[float]] = {k: [] for k in contenders}  # median step of each run (CPU clock at 1 thread)
     notes = {}
     for r in range(args.repeats):
-        for name, fn in contenders.items():
+        for name, fn in (list(contenders.items()) if r % 2 == 0 else list(contenders.items())[::-1]):
             data = TimedBatches(batches, steps, args.compile)
             torch.manual_seed(0)  # every contender's model from the same initialisation
             notes[name] = fn(data, steps)
             for clock in ("wall", "cpu"):
                 times[name][clock] += data.step_times(args.warmup, clock)
+            runs[name].append(statistics.median(data.step_times(args.warmup, "cpu" if args.threads == 1 else "wall")))
             print(f"# {label} run {r + 1}/{args.repeats} {name}: median step wall "
                   f"{statistics.median(times[name]['wall']):.4f} s, cpu {statistics.median(times[name]['cpu']):.4f} s",
                   file=sys.stderr)
     med = {k: {c: statistics.median(v[c]) for c in v} for k, v in times.items()}
     return {"label": label, "unit": unit, "items": items, "step_times": times, "median_step_s": med,
-            "rate_cpu": {k: items / m["cpu"] for k, m in med.items()},
-            "rate_wall": {k: items / m["wall"] for k, m in med.items()}, "note": notes.get("open_clip")}
+            "rate_cpu": {k: items / m["cpu"] for k, m in med.items()}, "run_median_wall_s": runs,
+            "rate_wall": {k: items / m["wall"] for k, m in med.items()}, "note": notes.get("open_clip"),
+            "speed_vs_open_clip": {k: paired(runs["open_clip"], runs[k]) for k in runs} if "open_clip" in runs
+            else None}
 
 
 def print_table(results: list[dict], args, env: dict, step_note: str) -> None:
@@ -242,20 +237,22 @@ def print_table(results: list[dict], args, env: dict, step_note: str) -> None:
     print("Rates from the median step time measured on this process's CPU clock (wall-clock rates in brackets)"
           f"{'; plain loop and open_clip step compiled (--compile), Lightning eager' if args.compile else ''}.\n")
     print("| workload | unit | plain PyTorch | diffmm Lightning | open_clip step | Lightning overhead (CPU) | "
-          "Lightning overhead (wall) | open_clip / plain (CPU) |")
+          "Lightning overhead (wall) | plain loop vs open_clip (paired) |")
     print("|---|---|---|---|---|---|---|---|")
     for res in results:
-        c, w = res["rate_cpu"], res["rate_wall"]
+        c, w, sp = res["rate_cpu"], res["rate_wall"], res["speed_vs_open_clip"]
         oc, oc_ratio = "-", "-"
-        if "open_clip" in c:
-            oc, oc_ratio = f"{c['open_clip']:.1f} ({w['open_clip']:.1f})", f"{c['open_clip'] / c['plain']:.2f}"
+        if sp:
+            oc = f"{c['open_clip']:.1f} ({w['open_clip']:.1f})"
+            oc_ratio = f"{sp['plain']['median']:.2f}x [{sp['plain']['min']:.2f}-{sp['plain']['max']:.2f}]"
         print(f"| {res['label']} | {res['unit']} | {c['plain']:.1f} ({w['plain']:.1f}) | "
               f"{c['lightning']:.1f} ({w['lightning']:.1f}) | {oc} | {100 * (c['plain'] / c['lightning'] - 1):+.1f}% | "
               f"{100 * (w['plain'] / w['lightning'] - 1):+.1f}% | {oc_ratio} |")
-    m = results[-1]["median_step_s"]  # the framework-cost row
-    print(f"\nFramework cost per step (near-empty model): plain loop {1e3 * m['plain']['cpu']:.2f} ms, "
-          f"Lightning + diffmm callbacks/loggers {1e3 * m['lightning']['cpu']:.2f} ms CPU "
-          f"(+{1e3 * (m['lightning']['cpu'] - m['plain']['cpu']):.2f} ms per step).")
+    m = results[-1]["median_step_s"]  # the framework-cost row (unless --no-lm)
+    if not args.no_lm:
+        print(f"\nFramework cost per step (near-empty model): plain loop {1e3 * m['plain']['cpu']:.2f} ms, Lightning + "
+              f"diffmm callbacks/loggers {1e3 * m['lightning']['cpu']:.2f} ms CPU (+"
+              f"{1e3 * (m['lightning']['cpu'] - m['plain']['cpu']):.2f} ms per step).")
     if step_note:
         print(f"\nopen_clip step: {step_note}, on open_clip's CLIP of the same size.")
     print("Lightning overhead = extra time per step relative to the plain loop (target <= 5%).")
@@ -276,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="compute threads (1: CPU time = work done)")
     p.add_argument("--null-steps", type=int, default=200, help="steps of the framework-cost run")
+    p.add_argument("--no-lm", action="store_true", help="CLIP models only (no LM, no framework-cost run)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--compile", action="store_true", help="plain loop and open_clip: model.compile(fullgraph=True)")
     args = p.parse_args(argv)
@@ -295,14 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure(f"{name} (batch {args.clip_batch})", "samples/s", clip_contenders(name, lr, wd),
                                batches, args, items=args.clip_batch))
     lm_cfg = LMConfig.from_name(args.lm_model, **json.loads(args.lm_kwargs))
-    results.append(measure(f"LM {args.lm_model} L{lm_cfg.n_layer} E{lm_cfg.n_embd} V{lm_cfg.vocab_size} "
-                           f"(batch {args.lm_batch}x{lm_cfg.block_size})", "tokens/s", lm_contenders(lm_cfg, lr, 0.05),
-                           lm_batches(4, args.lm_batch, lm_cfg.block_size, lm_cfg.vocab_size), args,
-                           items=args.lm_batch * lm_cfg.block_size))
-    # framework cost: a model so small that a step is almost only loop machinery
     null_cfg = LMConfig.from_name("diff-tiny", n_layer=1, n_embd=8, n_head=2, vocab_size=16, block_size=4)
-    results.append(measure("framework (1-layer width-8 LM, batch 1x4)", "steps/s", lm_contenders(null_cfg, lr, 0.05),
-                           lm_batches(4, 1, 4, 16), args, items=1, steps=args.null_steps))
+    for cfg, label, batch, steps in [] if args.no_lm else [  # the last: framework cost (a near-empty model)
+            (lm_cfg, f"LM {args.lm_model} L{lm_cfg.n_layer} E{lm_cfg.n_embd} V{lm_cfg.vocab_size}", args.lm_batch, 0),
+            (null_cfg, "framework (1-layer width-8 LM)", 1, args.null_steps)]:
+        results.append(measure(f"{label} (batch {batch}x{cfg.block_size})", "steps/s" if steps else "tokens/s",
+                               lm_contenders(cfg, lr, 0.05), lm_batches(4, batch, cfg.block_size, cfg.vocab_size), args,
+                               items=1 if steps else batch * cfg.block_size, steps=steps))
     env["load_1m_end"] = os.getloadavg()[0]
     step_note = next((r["note"] for r in results if r["note"]), "")
     print_table(results, args, env, step_note)

@@ -13,10 +13,11 @@ in N, like a flash kernel. Causal chunks only touch the keys they can see. The m
 both maps and, for GQA, over the query heads of a kv group (folded into the rows), so K and V are never
 repeated.
 
-Where the time goes on a CPU is the elementwise passes over the (rows, S) maps, so each chunk reuses one
-preallocated score buffer, the softmax and its backward run in place (fused ATen kernels), the causal mask
-is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products instead of
-the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node (no per-op graph).
+Where the time goes on a CPU is the elementwise passes over the (rows, S) maps and fresh multi-MiB buffers (a
+page fault per 4 KiB on first touch), so the temporaries live in per-thread scratch buffers reused by every chunk
+and call, the softmax writes the maps next to the scores and its backward runs in place (fused ATen kernels),
+the causal mask is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products
+instead of the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node.
 
 Everything runs in fp32 (fp64 for fp64 inputs). This is the sdpa backend's ``combined`` layout, its default on
 CPU (see :mod:`diffmm.ops.sdpa`).
@@ -24,6 +25,7 @@ CPU (see :mod:`diffmm.ops.sdpa`).
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -44,6 +46,33 @@ SAVE_MAPS_ELEMENTS = 1 << 21
 #: operator: docs/attention.md has the measured gain; tests/ops/test_private_ops.py checks it against autograd).
 _softmax_bwd_out = torch.ops.aten._softmax_backward_data.out
 _CAUSAL_BIAS: dict[tuple, torch.Tensor] = {}
+#: Scratch buffers larger than this many elements are not kept between calls (2^24 fp32 = 64 MiB).
+SCRATCH_MAX_ELEMENTS = 1 << 24
+_SCRATCH = threading.local()
+
+
+def _scratch(slot: str, n: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat workspace of ``n`` elements (like's dtype and device) that later calls on this thread reuse.
+
+    For temporaries that die inside one forward or backward (never returned, never saved): a fresh multi-MiB
+    tensor costs a page fault per 4 KiB on first touch once the allocator has given the memory back to the OS,
+    which on the project's CPU machines made the head norm's backward 7x slower than its arithmetic
+    (docs/attention.md, "Scratch buffers"). Keyed per thread, so concurrent calls never share one.
+    """
+    if n > SCRATCH_MAX_ELEMENTS or type(like) is not torch.Tensor or like.is_meta:  # fake/meta: never kept
+        return like.new_empty(n)
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    key = (slot, like.dtype, like.device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+            buf = bufs[key] = torch.empty(n, dtype=like.dtype, device=like.device)
+    return buf[:n]
+
+
+def _scratch_like(slot: str, t: torch.Tensor) -> torch.Tensor:
+    """A contiguous scratch tensor of t's shape, dtype and device (see :func:`_scratch`)."""
+    return _scratch(slot, t.numel(), t).view(t.shape)
 
 
 def _rows_per_chunk(B: int, h: int, N: int, S: int) -> int:
@@ -85,8 +114,10 @@ class _Geometry:
             yield i0, i1, (i1 if self.is_causal else self.S)
 
     def buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """Flat workspace for the scores of the largest chunk (both maps)."""
-        return like.new_empty(2 * self.B * self.h * self.rows * self.S)
+        """Flat buffer for the maps of the largest chunk (both maps): kept for the backward (``keep_maps``), else
+        a scratch buffer reused by every chunk and call."""
+        n = 2 * self.B * self.h * self.rows * self.S
+        return like.new_empty(n) if self.keep_maps else _scratch("maps", n, like)
 
     def operands(self, q12, k12, i0, i1, s_vis):
         """Rows i0:i1 of q12 and keys :s_vis of k12 as (2*B*h_kv, g*n, d) and (2*B*h_kv, s_vis, d)."""
@@ -99,7 +130,8 @@ class _Geometry:
         """Softmax maps of rows i0:i1 over keys :s_vis, in ``buf`` -> (p (2, B*h_kv, g*n, s_vis), qc, kc)."""
         B, h_kv, g, n = self.B, self.h_kv, self.g, i1 - i0
         qc, kc = self.operands(q12, k12, i0, i1, s_vis)
-        s = buf[:2 * B * h_kv * g * n * s_vis].view(2 * B * h_kv, g * n, s_vis)
+        size = 2 * B * h_kv * g * n * s_vis
+        s = _scratch("scores", size, buf).view(2 * B * h_kv, g * n, s_vis)
         torch.bmm(qc, kc.transpose(1, 2), out=s)
         s6 = s.view(2, B, h_kv, g, n, s_vis)
         if self.is_causal:  # N == S and s_vis == i1: only the (n, n) diagonal block has hidden keys
@@ -110,8 +142,10 @@ class _Geometry:
             m = m[..., :s_vis]
             m = m.unflatten(1, (h_kv, g)) if m.shape[1] > 1 else m.unsqueeze(1)  # (B|1, h_kv|1, g|1, n|1, s_vis)
             s6.add_(m.to(s.dtype))  # additive (bool masks were converted once per call)
-        torch.softmax(s, -1, out=s)  # in place
-        return s.view(2, B * h_kv, g * n, s_vis), qc, kc
+        # Into the maps' buffer, not in place: ATen's in-place softmax is 1.2-1.7x slower on rows whose length is
+        # not a multiple of 16 (65, 77, 197 keys: the CLIP towers), and no faster on the others.
+        p = torch.softmax(s, -1, out=buf[:size].view(s.shape))
+        return p.view(2, B * h_kv, g * n, s_vis), qc, kc
 
 
 def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -134,13 +168,14 @@ def _norm_forward(a: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tenso
 def _norm_backward(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, want_dw: bool):
     """Backward of ``y = a * rstd * w`` (per-row RMSNorm over the last dim), in a's (B, h, N, 2d) layout.
 
-    ``dy`` may be a strided view (the transposed output gradient). Returns (da, dw); da is contiguous like a.
+    ``dy`` may be a strided view (the transposed output gradient). Returns (da, dw); da is contiguous like a, in a
+    scratch buffer (valid until the next call on this thread).
     """
-    t = torch.mul(dy, a, out=torch.empty_like(a))  # contiguous, whatever dy's strides
+    t = torch.mul(dy, a, out=_scratch_like("norm_t", a))  # contiguous, whatever dy's strides
     rows = t.view(-1, t.shape[-1])
     dw = torch.mv(rows.t(), rstd.view(-1)) if want_dw else None  # sum(dy * a * rstd) over rows
     dot = torch.mv(rows, w).view(rstd.shape)  # rowsum(dy * w * a)
-    da = torch.mul(dy, w, out=torch.empty_like(a)).mul_(rstd)
+    da = torch.mul(dy, w, out=_scratch_like("norm_da", a)).mul_(rstd)
     coef = rstd.pow(3).mul_(dot).div_(-a.shape[-1])  # -rstd^3 * mean(dy w a)
     return da.addcmul_(a, coef), dw
 
@@ -170,10 +205,11 @@ def _chunked_forward(q, k, v, lam, geo: _Geometry, ct: torch.dtype):
             pc = combined = torch.addcmul(p[0], p[1], neg_lam)
         else:
             pc = p[0].addcmul_(p[1], neg_lam)  # P1 - lam P2, in place: (B*h_kv, g*n, s_vis)
-        o = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*n, 2d)
-        if a is None:
-            a = o
+        if a is None:  # one chunk: the product is a itself (saved for the backward)
+            a = torch.bmm(pc, vb[:, :s_vis])  # (B*h_kv, g*N, 2d)
         else:
+            o = torch.bmm(pc, vb[:, :s_vis], out=_scratch("o", B * geo.h * (i1 - i0) * 2 * d, pc).view(
+                B * h_kv, g * (i1 - i0), 2 * d))
             a[:, :, :, i0:i1].copy_(o.view(B, h_kv, g, i1 - i0, 2 * d))
     return a.view(B, geo.h, N, 2 * d), (q12, k12, vt), maps, combined
 
@@ -184,12 +220,13 @@ def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dty
     ct = q12.dtype
     q_dt, k_dt, v_dt = dtypes
     neg_lam = -lam
-    dq12 = torch.empty_like(q12)
-    dk12 = torch.empty_like(k12)  # every key row is written once with beta=0 before it accumulates
-    dv = torch.empty_like(vt)  # (B, h_kv, S, 2d)
+    # The gradients in the compute layouts are scratch buffers: each is permuted into a fresh output at the end.
+    dq12 = _scratch_like("dq12", q12)
+    dk12 = _scratch_like("dk12", k12)  # every key row is written once with beta=0 before it accumulates
+    dv = _scratch_like("dv", vt)  # (B, h_kv, S, 2d)
     dlam = torch.zeros((), dtype=ct, device=q12.device)
     buf = geo.buffer(q12) if maps is None else None
-    dp_buf = q12.new_empty(B * h * geo.rows * S)
+    dp_buf = _scratch("dp", B * h * geo.rows * S, q12)
     vb, dvb, dkb = vt.view(B * h_kv, S, 2 * d), dv.view(B * h_kv, S, 2 * d), dk12.view(2 * B * h_kv, S, d)
     da5 = da.view(B, h_kv, g, N, 2 * d)
     seen = 0  # keys [0, seen) already hold a partial dK / dV
@@ -197,7 +234,7 @@ def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dty
         n = i1 - i0
         if maps is not None:  # the forward kept them; ds goes to a fresh buffer (maps stay intact)
             p, qc, kc = maps, *geo.operands(q12, k12, i0, i1, s_vis)
-            ds = torch.empty_like(p)
+            ds = _scratch_like("ds", p)
         else:
             p, qc, kc = geo.scores(buf, q12, k12, i0, i1, s_vis)  # p (2, B*h_kv, g*n, s_vis)
             ds = p  # the softmax backward runs in place over the recomputed maps
@@ -205,7 +242,10 @@ def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dty
         dp = dp_buf[:B * h * n * s_vis].view(B * h_kv, g * n, s_vis)
         torch.bmm(do, vb[:, :s_vis].transpose(1, 2), out=dp)  # dL/d(P1 - lam P2)
         dlam.add_(torch.vdot(p[1].reshape(-1), dp.view(-1)))  # sum(P2 * dp); dlam = -that
-        pc = combined if combined is not None else torch.addcmul(p[0], p[1], neg_lam)  # P1 - lam P2
+        if combined is not None:
+            pc = combined
+        else:  # P1 - lam P2
+            pc = torch.addcmul(p[0], p[1], neg_lam, out=_scratch_like("combined", p[0]))
         _accumulate(dvb, pc.transpose(1, 2), do, seen, s_vis)
         # Softmax backward of each map with the same upstream dp (map 2's factor -lam is applied to the
         # small products at the end): ds[m] = P_m * (dp - rowsum(P_m * dp)).
@@ -224,7 +264,7 @@ def _chunked_backward(da, q12, k12, vt, lam, maps, combined, geo: _Geometry, dty
     torch.mul(dq12.permute(1, 4, 2, 3, 0, 5), factor * d ** -0.5, out=dq)
     dk = torch.empty(B, S, h_kv, 2, d, dtype=k_dt, device=q12.device)
     torch.mul(dk12.permute(1, 3, 2, 0, 4), factor, out=dk)
-    dv_out = _dense(dv.permute(0, 2, 1, 3), v_dt)
+    dv_out = torch.empty(B, S, h_kv, 2 * d, dtype=v_dt, device=q12.device).copy_(dv.permute(0, 2, 1, 3))
     return dq.view(B, N, 2 * h, d), dk.view(B, S, 2 * h_kv, d), dv_out, dlam.neg_()
 
 
@@ -359,7 +399,8 @@ def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seen: int, 
         else:
             out.baddbmm_(x, y)
         return
-    prod = torch.bmm(x, y)  # (batch, s_vis, cols)
+    prod = torch.bmm(x, y, out=_scratch("prod", x.shape[0] * x.shape[1] * y.shape[2], x).view(
+        x.shape[0], x.shape[1], y.shape[2]))  # (batch, s_vis, cols)
     if seen:
         out[:, :seen].add_(prod[:, :seen])
     out[:, seen:s_vis].copy_(prod[:, seen:])

@@ -102,7 +102,7 @@ def test_features_equal_diffmm_tower_and_forward_intermediates(name, tmp_path):
     hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o)) for b in tower.blocks]
     x = _images(name)
     with torch.no_grad():
-        tower(x)
+        tower.forward_features(x)  # every token through every block (the pooled forward keeps only CLS after the last)
     for h in hooks:
         h.remove()
     grid = v.image_size // v.patch_size

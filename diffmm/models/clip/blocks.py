@@ -6,12 +6,25 @@ mlp.c_proj`` (open_clip-style).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 
 from diffmm.nn import LayerNorm, create_act
+
+
+Rows = Union[int, torch.Tensor, None]
+
+
+def pick_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Tokens (B, N, W) -> the (B, W) row of each sample that ``rows`` names: one index for all samples (an int) or
+    one per sample ((B,) long); ``x`` itself when ``rows`` is None."""
+    if rows is None:
+        return x
+    if isinstance(rows, int):
+        return x[:, rows]
+    return x[torch.arange(x.shape[0], device=x.device), rows]
 
 
 class LayerScale(nn.Module):
@@ -44,8 +57,10 @@ class VisionBlock(nn.Module):
         self.ls1 = LayerScale(width, layer_scale_init) if scaled else nn.Identity()
         self.ls2 = LayerScale(width, layer_scale_init) if scaled else nn.Identity()
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask))
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Rows = None) -> torch.Tensor:
+        """(B, N, W) -> (B, N, W); with ``rows`` (:func:`pick_rows`) only those tokens leave the block, (B, W), and
+        the MLP runs on them alone (a pooling tower's last block: the other tokens' MLP would be discarded)."""
+        x = pick_rows(x + self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask)), rows)
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
@@ -63,6 +78,7 @@ class TextBlock(nn.Module):
         self.mlp.add_module("act", create_act(act))
         self.mlp.add_module("c_proj", nn.Linear(hidden, width))
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Rows = None) -> torch.Tensor:
+        """As :meth:`VisionBlock.forward`."""
+        x = pick_rows(x + self.attn(self.ln_1(x), attn_mask=attn_mask), rows)
         return x + self.mlp(self.ln_2(x))

@@ -144,9 +144,8 @@ class DiffCLIP(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2503.
             return F.normalize(x, dim=-1) if normalize else x
         L, dtype = text.shape[1], self.text_projection.dtype  # low precision under fp16 / bf16 (open_clip's cast)
         x = self.token_embedding(text).to(dtype) + self.positional_embedding[:L].to(dtype)  # (B, L, W)
-        x = self.ln_final(self.transformer(x))
-        x = x[torch.arange(x.shape[0], device=x.device), text.argmax(dim=-1)]  # (B, W) EOT
-        x = x @ self.text_projection
+        x = self.transformer(x, rows=text.argmax(dim=-1))  # (B, W): the EOT tokens (argmax of the ids)
+        x = self.ln_final(x) @ self.text_projection
         return F.normalize(x, dim=-1) if normalize else x
 
     def logit_scale_value(self) -> torch.Tensor:

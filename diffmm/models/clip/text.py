@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from diffmm.models.clip.blocks import TextBlock
+from diffmm.models.clip.blocks import Rows, TextBlock, pick_rows
 from diffmm.models.clip.config import TextCfg, layer_attn_types
 from diffmm.nn import create_attention
 
@@ -32,10 +32,13 @@ class TextTransformer(nn.Module):
             for i, t in enumerate(layer_attn_types(cfg))])
         self.grad_checkpointing = False
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        for blk in self.resblocks:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Rows = None) -> torch.Tensor:
+        """(B, L, W) -> (B, L, W); with ``rows`` (``blocks.pick_rows``) only those tokens (B, W) leave the last
+        block, whose MLP runs on them alone."""
+        for i, blk in enumerate(self.resblocks):
+            last_rows = rows if i == len(self.resblocks) - 1 else None
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(blk, x, attn_mask, use_reentrant=False)
+                x = checkpoint(blk, x, attn_mask, last_rows, use_reentrant=False)
             else:
-                x = blk(x, attn_mask=attn_mask)
-        return x
+                x = blk(x, attn_mask=attn_mask, rows=last_rows)
+        return x if self.resblocks else pick_rows(x, rows)

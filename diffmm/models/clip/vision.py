@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from diffmm.models.clip.blocks import VisionBlock
+from diffmm.models.clip.blocks import Rows, VisionBlock
 from diffmm.models.clip.config import VisionCfg, layer_attn_types
 from diffmm.nn import LayerNorm, create_attention
 
@@ -112,17 +112,23 @@ class VisionTransformer(nn.Module):
         x = self.norm_pre(x + self.pos_embed.to(x.dtype))
         return self.run_blocks(x, 0, start)
 
-    def run_blocks(self, x: torch.Tensor, start: int, stop: Optional[int] = None) -> torch.Tensor:
-        """Tokens (B, 1 + P, W) through blocks ``start`` .. ``stop - 1`` (default: to the last)."""
-        for blk in self.blocks[start:stop]:
+    def run_blocks(self, x: torch.Tensor, start: int, stop: Optional[int] = None, rows: Rows = None) -> torch.Tensor:
+        """Tokens (B, 1 + P, W) through blocks ``start`` .. ``stop - 1`` (default: to the last); with ``rows``, only
+        those tokens (B, W) leave the last of them (``VisionBlock.forward``)."""
+        blocks = self.blocks[start:stop]
+        for i, blk in enumerate(blocks):
+            last_rows = rows if i == len(blocks) - 1 else None
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)
+                x = checkpoint(blk, x, None, last_rows, use_reentrant=False)
             else:
-                x = blk(x)
+                x = blk(x, rows=last_rows)
         return x
 
     def suffix(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """The tokens entering block ``start`` (:meth:`prefix`) -> pooled features (B, W)."""
+        """The tokens entering block ``start`` (:meth:`prefix`) -> pooled features (B, W). With CLS pooling the
+        last block's MLP and the final norm run on the CLS token alone (the other tokens are not read)."""
+        if self.cfg.pool_type == "tok" and start < len(self.blocks):
+            return self.norm(self.run_blocks(x, start, rows=0))
         return self.pool(self.norm(self.run_blocks(x, start)))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,4 +140,5 @@ class VisionTransformer(nn.Module):
         return x[:, 0] if self.cfg.pool_type == "tok" else x[:, 1:].mean(dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(self.forward_features(x))
+        """images (B, 3, S, S) -> pooled features (B, W)."""
+        return self.suffix(self.prefix(x, 0), 0)
