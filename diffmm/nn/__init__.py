@@ -11,6 +11,7 @@ from diffmm.nn.norm import LayerNorm, RMSNorm
 from diffmm.nn.param_count import attention_param_report
 from diffmm.nn.rope import RotaryEmbedding, apply_rope, rotate_half
 from diffmm.nn.upcycled_diff_attention import UpcycledDiffAttention
+from diffmm.nn import ablations  # noqa: E402,F401  (registers the ablation attention types: docs/attention.md)
 
 __all__ = ["Attention", "AttentionLayer", "DiffAttention", "DiffV2Attention", "UpcycledDiffAttention",
            "ATTENTION_LAYERS", "UPCYCLE_TYPES", "QKMaps", "StdAttnWeights", "create_attention",

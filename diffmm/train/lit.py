@@ -62,6 +62,9 @@ class LiTModule(CLIPModule):
             :data:`SHARED_IMAGE_CACHES`, :func:`clear_image_caches`; an image is its preprocessed pixels, so this
             pays only with a deterministic train transform: ``data.crop_scale: [1.0, 1.0]``).
         image_lr: peak lr of the image tower's encoder (its projection keeps ``lr``).
+        param_lr: parameter-name prefixes or glob patterns of the model with their own peak lr, taking precedence over
+            ``text_lr`` / ``image_lr`` (e.g. ``{"*.lambda_*": 1e-2, "*.norm_gate": 1e-2}`` lets the lambdas and norm
+            gates of upcycled blocks move while the blocks train at ``image_lr``).
         save_locked: save the locked weights in checkpoints. ``False``: a locked tower that the model's config takes
             from a pretrained source (``text_cfg.hf_model_name``, ``vision_cfg.pretrained``; the model built from
             ``model_name`` without ``pretrained``, ``swap`` or ``model``) is named in checkpoints by its source and a
@@ -74,6 +77,7 @@ class LiTModule(CLIPModule):
                  lock_image: bool = False, lock_image_unlocked: Optional[list[str]] = None,
                  cache_text_features: bool = False, cache_text_max: int = 1_000_000, text_lr: Optional[float] = None,
                  cache_image_features: bool = False, cache_image_max: int = 50_000, image_lr: Optional[float] = None,
+                 param_lr: Optional[dict[str, float]] = None,
                  save_locked: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # saves these arguments with CLIPModule's as hyper-parameters
         model = self.model
@@ -137,7 +141,7 @@ class LiTModule(CLIPModule):
                         prefix="model.")
 
     def param_lrs(self) -> dict[str, float]:
-        lrs = {}
+        lrs = {k: float(v) for k, v in (self.hparams.param_lr or {}).items()}
         for tower, lr in (("text", self.hparams.text_lr), ("visual", self.hparams.image_lr)):
             if lr is not None:
                 lrs.update({p: lr for p in tower_prefixes(self.model, tower)})

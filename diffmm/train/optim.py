@@ -2,6 +2,7 @@
 warmup + cosine learning rate that follows the current settings when a run is resumed or extended."""
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 from typing import Mapping, Optional, Sequence
@@ -27,8 +28,9 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str] 
     ``logit_scale`` or a fragment of ``no_decay``); empty groups are dropped. ``name`` labels the lr curves.
     Frozen parameters (``requires_grad=False``) are left out.
 
-    ``lrs`` maps parameter-name prefixes to their own learning rate (e.g. ``{"text.transformer.": 1e-5}``): those
-    parameters get groups ``"decay <prefix>"`` / ``"no_decay <prefix>"`` with ``"lr"`` set (the schedule scales
+    ``lrs`` maps parameter-name prefixes, or glob patterns matched against the whole name (``fnmatch``, e.g.
+    ``"*.lambda_*"``), to their own learning rate (e.g. ``{"text.transformer.": 1e-5}``; the first key that matches
+    a name wins): those parameters get groups ``"decay <prefix>"`` / ``"no_decay <prefix>"`` with ``"lr"`` set (the schedule scales
     each group's own lr)."""
     in_norm = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)}
     fragments = (*NO_DECAY_NAMES, *no_decay)
@@ -37,7 +39,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str] 
     for name, p in model.named_parameters():
         if p.requires_grad:
             plain = p.ndim < 2 or id(p) in in_norm or any(f in name for f in fragments)
-            prefix = next((x for x in prefixes if name.startswith(x)), None)
+            prefix = next((x for x in prefixes if name.startswith(x) or fnmatch.fnmatchcase(name, x)), None)
             split.setdefault(("no_decay" if plain else "decay", prefix), []).append(p)
     groups = []
     for prefix in [None, *prefixes]:
