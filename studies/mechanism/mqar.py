@@ -35,7 +35,7 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 MODEL = {"vocab_size": 64, "layers": 2, "width": 64, "heads": 4, "context_length": 512}  # both configs' widths
 DIFF, STANDARD = "configs/recall_diff_tiny.yaml", "configs/recall_transformer_tiny.yaml"
@@ -176,8 +176,8 @@ def main() -> None:
         jobs = [(cell, seed) for seed in args.seeds for cell in args.cells]  # seed-major: every cell gets seed 0 first
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.jobs) as pool:
-            for line in pool.map(lambda j: run_one(*j, args), jobs):
-                print(f"[{time.perf_counter() - t0:6.0f} s] {line}", flush=True)
+            for done in as_completed([pool.submit(run_one, *j, args) for j in jobs]):
+                print(f"[{time.perf_counter() - t0:6.0f} s] {done.result()}", flush=True)
     print(write_summary(args.out), end="")
 
 
