@@ -30,8 +30,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str] 
 
     ``lrs`` maps parameter-name prefixes, or glob patterns matched against the whole name (``fnmatch``, e.g.
     ``"*.lambda_*"``), to their own learning rate (e.g. ``{"text.transformer.": 1e-5}``; the first key that matches
-    a name wins): those parameters get groups ``"decay <prefix>"`` / ``"no_decay <prefix>"`` with ``"lr"`` set (the schedule scales
-    each group's own lr)."""
+    a name wins): those parameters get groups ``"decay <prefix>"`` / ``"no_decay <prefix>"`` with ``"lr"`` set (the
+    schedule scales each group's own lr)."""
     in_norm = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)}
     fragments = (*NO_DECAY_NAMES, *no_decay)
     prefixes = list(lrs or {})
@@ -39,7 +39,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str] 
     for name, p in model.named_parameters():
         if p.requires_grad:
             plain = p.ndim < 2 or id(p) in in_norm or any(f in name for f in fragments)
-            prefix = next((x for x in prefixes if name.startswith(x) or fnmatch.fnmatchcase(name, x)), None)
+            prefix = next((x for x in prefixes if name.startswith(x) or fnmatch.fnmatchcase(name, x)),
+                          None)
             split.setdefault(("no_decay" if plain else "decay", prefix), []).append(p)
     groups = []
     for prefix in [None, *prefixes]:

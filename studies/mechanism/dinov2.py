@@ -47,7 +47,8 @@ def fit_argv(arm: str, seed: int, args, run_dir: str) -> list[str]:
             "--checkpoint.save_top_k=-1", "--checkpoint.save_last=false", "--checkpoint.filename={step:04d}",
             "--checkpoint.save_weights_only=true"]
     if arm == "diff":
-        argv.append(f"--model.init_args.param_lr={json.dumps({'*.lambda_*': args.gate_lr, '*.norm_gate': args.gate_lr})}")
+        lrs = {"*.lambda_*": args.gate_lr, "*.norm_gate": args.gate_lr}
+        argv.append(f"--model.init_args.param_lr={json.dumps(lrs)}")
     return argv
 
 

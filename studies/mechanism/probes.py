@@ -137,12 +137,9 @@ def attention_mass(model, sets: EmojiSets, n: int = 512, layers: Optional[list[i
         alpha = F.interpolate(sets.alpha[:n, None], size=(side, side), mode="bilinear", align_corners=False)
         cover = F.adaptive_avg_pool2d(alpha, g).flatten(1)  # (B, g*g) share of each patch inside the subject
 
-        def share(w: torch.Tensor) -> torch.Tensor:  # (B, H, S) -> (H,)
+        def share(w: torch.Tensor, cover=cover, pre=pre) -> torch.Tensor:  # (B, H, S) -> (H,)
             a = w[..., pre:].abs()
             return ((a * cover[:, None]).sum(-1) / a.sum(-1).clamp_min(1e-12)).mean(0)
-
-        def entropy(p: torch.Tensor) -> torch.Tensor:
-            return -(p * p.clamp_min(1e-12).log()).sum(-1).mean(0)
 
         rec_out = {"layer": r.name, "kind": r.kind, "uniform_share": cover.mean().item(),
                    "max_entropy": math.log(S), "map_share": share(maps).tolist()}
@@ -158,6 +155,11 @@ def attention_mass(model, sets: EmojiSets, n: int = 512, layers: Optional[list[i
         rec_out["entropy_mean"] = float(np.mean(rec_out["entropy"]))
         out[str(li)] = rec_out
     return out
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of attention rows (B, H, S), averaged over images: (H,)."""
+    return -(p * p.clamp_min(1e-12).log()).sum(-1).mean(0)
 
 
 def robustness(model, sets: EmojiSets) -> dict:

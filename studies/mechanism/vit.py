@@ -38,7 +38,8 @@ def fit_argv(arm: str, seed: int, steps: int, data: str, run_dir: str, every: in
     train = "::".join(os.path.join(data, "emoji", s, "*.tar") for s in ("noto", "openmoji"))
     logger = {"class_path": "pytorch_lightning.loggers.CSVLogger",
               "init_args": {"save_dir": run_dir, "name": "csv", "version": ""}}
-    argv = [os.path.join(os.path.dirname(sys.executable), "diffmm"), "fit", "--config", config, f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
+    argv = [os.path.join(os.path.dirname(sys.executable), "diffmm"), "fit", "--config", config,
+            f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
             f"--data.init_args.train_shards={train}", "--data.init_args.val_shards=null",
             "--data.init_args.num_workers=1", "--model.init_args.zeroshot=null", f"--trainer.max_steps={steps}",
             "--trainer.log_every_n_steps=10", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
@@ -101,7 +102,8 @@ def run_one(arm: str, seed: int, args) -> str:
     ev = subprocess.run([sys.executable, __file__, "evaluate", run_dir, "--data", args.data], check=True, env=env,
                         capture_output=True, text=True)
     result = json.loads(ev.stdout.strip().splitlines()[-1])
-    result.update(arm=arm, seed=seed, steps=args.steps, command=shlex.join(["diffmm", *argv[1:]]), train_seconds=train_s,
+    result.update(arm=arm, seed=seed, steps=args.steps, command=shlex.join(["diffmm", *argv[1:]]),
+                  train_seconds=train_s,
                   train_loss=losses(os.path.join(run_dir, "csv", "metrics.csv")), threads=args.threads,
                   cpu=cpu_model(), load_end=os.getloadavg())
     os.makedirs(args.out, exist_ok=True)
