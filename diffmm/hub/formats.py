@@ -7,7 +7,6 @@ model record: the model is rebuilt by name from its hyper-parameters; config ``{
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -60,10 +59,9 @@ class Format:
 
 
 def _folder_with(path: Path, name: str, test: Callable[[dict], bool]) -> bool:
-    if not (path / name).is_file():
-        return False
+    """Whether ``path`` is a folder whose JSON object ``name`` passes ``test``."""
     try:
-        return test(json.loads((path / name).read_text()))
+        return (path / name).is_file() and test(read_json(path / name))
     except (ValueError, OSError):
         return False
 
