@@ -49,7 +49,7 @@ from bench_common import environment, interleaved_rounds, print_profile, warm_up
 from diffmm.nn import Attention, DiffAttention
 from diffmm.ops import AttentionCall, select_backend
 from diffmm.ops.sdpa import _layout
-from gpu_check import DECODE_INNER, forward_flops, layer_step
+from gpucheck.models import DECODE_INNER, forward_flops, layer_step
 
 IMPLS = ["diffmm-auto", "diffmm-sdpa-combined", "diffmm-sdpa-split", "diffmm-sdpa-pair", "diffmm-reference", "timm",
          "standard-sdpa"]
@@ -191,7 +191,7 @@ def impls_table(rows: list[dict], args) -> list[str]:
 
 def v2_step(attn_type: str, mode: str, N: int, args):
     """A zero-argument callable running one measured call of a new causal layer of ``attn_type`` (fp32, CPU): the
-    layers and steps of the GPU check's part 3 (``layer_step`` in scripts/gpu_check.py)."""
+    layers and steps of the GPU check's part 3 (``layer_step`` in scripts/gpucheck/models.py)."""
     return layer_step(attn_type, mode, N, v2_config(args), torch.device("cpu"), torch.float32)
 
 

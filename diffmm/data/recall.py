@@ -1,28 +1,11 @@
-"""Multi-query associative recall (MQAR, Zoology: Arora et al. 2023) as a seeded, generated dataset.
+"""Multi-query associative recall (MQAR, Zoology: Arora et al. 2023) as a seeded, generated dataset (the task, its
+vocabulary, noise, query law and the two samplers: docs/evaluation.md, "Associative recall (MQAR)").
 
-A sequence starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ... kN vN`` (distinct keys, distinct
-values); the rest of the sequence holds ``num_queries`` of those keys again, each at an even offset
-of the query region, and filler elsewhere. The target at a query key's position is its value, so a
-causal LM must look the key up in its context; every other position has target ``IGNORE`` (-100),
-so the loss is taken on the answers only, as in Zoology.
-
-Vocabulary (``vocab_size`` V): token 0 is the blank filler, keys are ``1 .. K`` and values
-``K+1 .. V-1`` with ``K = (V - 1) // 2``. ``noise`` is the distractor level: each filler position holds
-a uniformly random key or value token with probability ``noise`` (1.0 = Zoology's ``random_non_queries``),
-else the blank. Random keys in the query region, often followed by random values, are false pairs an
-attention head can latch onto instead of the real one.
-
-Query offsets follow Zoology's power law over the ``(seq_len - 2N) // 2`` two-token slots,
-``p(i) ~ i^(a-1)`` with ``a = query_power`` (0.01: most queries sit soon after the pairs), or uniform
-when ``query_power`` is 1. Everything is a function of ``(seed, index)``, so a batch can be rebuilt
-anywhere (resuming, DDP ranks, evaluation) without storing it.
-
-``sampler="zoology"`` draws the sequences the way Zoology's published ``multiquery_ar`` does instead (same
-layout and targets; see :func:`zoology_multiquery_ar`): keys ``1 .. V//2-1``, values ``V//2 .. V-1``, every
-pair queried, and pair ``j`` queried at the ``j``-th slot drawn (without replacement) from the power law, so
-early pairs tend to be asked first (4 pairs in 16 tokens: the first query asks for pair 0 in 48 % of the
-sequences; ``diffmm``: 25 %, the pairs are assigned to the drawn slots at random). Fillers are uniform over
-the whole vocabulary (0 included). ``diffmm`` (the default) is the sampler described above.
+A sequence starts with ``num_pairs`` key-value pairs; ``num_queries`` of the keys come again later, and the
+target at a query is its value (``IGNORE`` = -100 elsewhere, so the loss is on the answers only). Token 0 is
+the blank filler; ``noise`` fills other positions with random key / value tokens. Everything is a function of
+``(seed, index)``, so a batch can be rebuilt anywhere (resuming, DDP ranks, evaluation) without storing it.
+``sampler="zoology"`` draws as Zoology's published ``multiquery_ar`` does (:func:`zoology_multiquery_ar`).
 
     >>> task = RecallTask(vocab_size=256, seq_len=128, num_pairs=8)
     >>> b = make_recall_batch(task, batch_size=4, seed=0)

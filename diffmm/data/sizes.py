@@ -1,18 +1,10 @@
-"""Samples per shard: from ``sizes.json``, img2dataset's ``*_stats.json``, or counted once and cached.
+"""Samples per shard: from ``sizes.json``, img2dataset's ``*_stats.json``, or counted once and cached (the order,
+the cache's location and what a miscount does: docs/data.md, "Samples per shard").
 
-Exact epochs need the number of samples of every shard. In order, a local shard's count comes from
-
-1. ``sizes.json`` beside it (shard file name -> samples; written by every diffmm shard tool and by
-   ``diffmm shards index``, the open_clip convention),
-2. img2dataset's ``{stem}_stats.json`` beside it (field ``successes``),
-3. a count cache: ``.diffmm-counts.json`` beside the shards when that folder is writable, else
-   ``$XDG_CACHE_HOME/diffmm/shard-counts/<hash of the folder>.json``; entries are keyed by file
-   name and hold the file's size and mtime, so a changed shard is counted again,
-4. counting: the tar reader itself streams through the shard once, keeping no member's data (so the
-   count is what it yields), then stored in the cache.
-
-A count that is wrong (a stale ``sizes.json``) is found while reading: the reader reports the shard
-as ``shards_miscounted`` and the epoch stays valid (see :mod:`diffmm.data.stream`).
+Exact epochs need the number of samples of every shard: ``sizes.json`` beside it, else img2dataset's
+``{stem}_stats.json``, else a count cache keyed by file name, size and mtime, else the tar reader streams through
+the shard once (keeping no member's data) and the count is cached. A wrong count (a stale ``sizes.json``) is found
+while reading: the shard is reported as ``shards_miscounted`` and the epoch stays valid (:mod:`diffmm.data.stream`).
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""Your own pipeline stages: webdataset filters (``wds.map``, ``wds.select``, ``wds.decode``, ...) on each raw sample.
+"""Your own pipeline stages: webdataset filters (``wds.map``, ``wds.select``, ``wds.decode``, ...) on each raw sample
+(what a stage sees and how its drops and errors are counted: docs/data.md, "Your own webdataset stages").
 
-A stage is what a webdataset pipeline is built from: a callable that takes an iterator of samples
-and returns an iterator of samples, such as ``wds.map(f)``, ``wds.select(pred)``, ``wds.decode("pil")``,
-``wds.rename(...)``, ``wds.map_dict(...)`` or a generator function of your own. The datasets run their
-``stages`` on every sample the tar reader yields (a dict of webdataset's shape: ``__key__``,
-``__url__``, ``__local_path__`` for a local shard, and one entry per file extension holding the
-member's bytes), after the shuffle buffer and before their own decoding. Each sample goes through
-the stages on its own, so that every problem stays a counted skip of one sample:
-
-* a stage that yields nothing for a sample drops it (``wds.select``, or a stage whose own
-  ``handler`` skipped an error): counted as ``skip_filtered``;
-* a stage that raises: ``handler(exception)`` decides, as in webdataset. ``wds.reraise_exception``
-  (the default) raises; a handler that returns True (``wds.warn_and_continue``,
-  ``wds.ignore_and_continue``) skips the sample, counted as ``skip_stage_error``; one that returns
-  False (``wds.warn_and_stop``) raises too, because one DataLoader worker that stops early would
-  leave the ranks with different numbers of batches.
-
-A stage must turn one sample into at most one sample, still a dict (the batch quotas that make
-epochs exact count one item per sample): whole-stream stages such as ``wds.shuffle``,
-``wds.batched`` or ``wds.to_tuple`` have no place here; the dataset shuffles, decodes and batches.
+The datasets run their ``stages`` on every sample the tar reader yields (webdataset's dict: ``__key__``,
+``__url__``, one entry per file extension), after the shuffle buffer and before their own decoding, one sample at
+a time, so every problem stays a counted skip of one sample: a dropped sample is ``skip_filtered``; an exception
+goes to ``handler`` as in webdataset (continue: ``skip_stage_error``; stop: raises, since a worker stopping early
+would leave the ranks with unequal batch counts). A stage turns one sample into at most one sample dict
+(``wds.shuffle``, ``wds.batched``, ``wds.to_tuple`` are the dataset's own job).
 """
 from __future__ import annotations
 

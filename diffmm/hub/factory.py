@@ -1,16 +1,12 @@
 """The one factory of model names and weights, with open_clip's API where it overlaps: :func:`create_model`,
 :func:`create_model_and_transforms`, :func:`get_tokenizer`, :func:`load_pretrained`, :func:`list_pretrained`.
 
-A model is named by one of (:func:`model_kind`; ``diffmm.create_model``, ``CLIPModule(model_name=...)`` and every
-CLI's ``--model`` read names through it):
+A model is named by one of (:func:`model_kind`; every API and CLI reads names through it; the table with what each
+builds: docs/models.md, "Model names: one rule everywhere"):
 
-1. a diffmm CLIP config name (``diffmm.list_models()``) or a path to a model-config ``.json`` file, or an LM config
-   name (``diffmm.models.lm_configs.list_lm_configs()``: ``diff-tiny``, ...): random weights unless ``pretrained=``;
-2. ``open_clip:NAME``: an open_clip architecture, built as diffmm's ``DiffCLIP`` in open_clip's layout when diffmm
-   implements it (plain ViT + text Transformer), else as open_clip's own model; random weights unless
-   ``pretrained=`` (a file, or an open_clip tag, which open_clip downloads);
-3. ``local-dir:FOLDER`` / ``hf-hub:ORG/REPO``: an open_clip folder or a diffmm export (a Hub repository is
-   downloaded unless it is in the local Hugging Face cache or ``HF_HUB_OFFLINE=1`` is set);
+1. a diffmm CLIP or LM config name, or a model-config ``.json`` path: random weights unless ``pretrained=``;
+2. ``open_clip:NAME``: diffmm's ``DiffCLIP`` in open_clip's layout when diffmm implements it, else open_clip's model;
+3. ``local-dir:FOLDER`` / ``hf-hub:ORG/REPO``: an open_clip folder or a diffmm export (Hub: cached or downloaded);
 4. a path to weights in any format of :data:`diffmm.hub.formats.FORMATS` (weights included).
 
 Anything else is a one-line error listing these (a bare open_clip name gets a hint to write ``open_clip:NAME``).

@@ -7,7 +7,6 @@ model record: the model is rebuilt by name from its hyper-parameters; config ``{
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -60,10 +59,9 @@ class Format:
 
 
 def _folder_with(path: Path, name: str, test: Callable[[dict], bool]) -> bool:
-    if not (path / name).is_file():
-        return False
+    """Whether ``path`` is a folder whose JSON object ``name`` passes ``test``."""
     try:
-        return test(json.loads((path / name).read_text()))
+        return (path / name).is_file() and test(read_json(path / name))
     except (ValueError, OSError):
         return False
 
@@ -239,21 +237,16 @@ FORMATS = (
 FORMAT_NAMES = tuple(f.name for f in FORMATS)
 
 
-def find_format(path: Path, name: Optional[str] = None) -> Format:
-    """The format called ``name``, else the first of :data:`FORMATS` that recognises ``path``."""
-    if name is not None:
-        if name not in FORMAT_NAMES:
-            raise ValueError(f"unknown checkpoint format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
-        return FORMATS[FORMAT_NAMES.index(name)]
-    raise_if_damaged(path)  # a damaged file names itself instead of "not recognised"
-    for fmt in FORMATS:
-        if fmt.recognise(path):
-            return fmt
-    raise ValueError(f"{path}: not a recognised checkpoint; supported: "
-                     + "; ".join(f"{f.name} ({f.files})" for f in FORMATS))
-
-
 def read_weights(path: Path, *, format: Optional[str] = None, **options: Any) -> Weights:
-    """``Weights`` of a local file or folder in any format of :data:`FORMATS` (``options`` go to its reader)."""
-    w = find_format(path, format).read(path, **options)
+    """``Weights`` of a local file or folder in the format called ``format``, else in the first of :data:`FORMATS`
+    that recognises it (``options`` go to its reader)."""
+    if format is not None and format not in FORMAT_NAMES:
+        raise ValueError(f"unknown checkpoint format {format!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    if format is None:
+        raise_if_damaged(path)  # a damaged file names itself instead of "not recognised"
+    fmt = FORMATS[FORMAT_NAMES.index(format)] if format else next((f for f in FORMATS if f.recognise(path)), None)
+    if fmt is None:
+        raise ValueError(f"{path}: not a recognised checkpoint; supported: "
+                         + "; ".join(f"{f.name} ({f.files})" for f in FORMATS))
+    w = fmt.read(path, **options)
     return w if w.source else w._replace(source=str(path))

@@ -1,11 +1,6 @@
-"""Model precision by open_clip's names, with open_clip's meaning (``create_model(precision=...)``).
-
-- ``fp32``, ``amp``, ``amp_bf16``, ``amp_bfloat16``: fp32 weights (the ``amp*`` names leave autocast to the caller).
-- ``fp16``, ``bf16``: mixed, as open_clip's: the weights and biases of every ``Linear`` / ``Conv`` and the two
-  projections (``image_projection``, ``text_projection``) in fp16 / bf16; norms, embeddings, CLS token, positions,
-  ``logit_scale`` / ``logit_bias`` and the lambda vectors stay fp32; LayerNorms then compute in fp32 and return the
-  low precision (:class:`diffmm.nn.LayerNorm`).
-- ``pure_fp16``, ``pure_bf16``: every parameter and buffer in fp16 / bf16.
+"""Model precision by open_clip's names, with open_clip's meaning (``create_model(precision=...)``; the table of
+what each name gives every parameter: docs/models.md, "open_clip's conventions"): ``fp32`` / ``amp*`` keep fp32
+weights, ``fp16`` / ``bf16`` are open_clip's mixed precision, ``pure_fp16`` / ``pure_bf16`` cast everything.
 """
 from __future__ import annotations
 

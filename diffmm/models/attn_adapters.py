@@ -1,18 +1,9 @@
 """Call-convention adapters: a diffmm attention layer where a block calls another library's attention.
 
 diffmm layers are called ``layer(x, attn_mask=..., causal=...)`` (:class:`diffmm.nn.AttentionLayer`). The blocks
-:func:`diffmm.swap_attention` swaps into call:
-
-- ``nn.MultiheadAttention`` (open_clip ``ResidualAttentionBlock``): ``attn(q, k, v, need_weights=False,
-  attn_mask=M)[0]``; bool masks are True where attention is *not* allowed; 3-dim masks are (B*heads, N, S).
-- open_clip ``Attention`` (``CustomResidualAttentionBlock``): ``attn(x, attn_mask=M)``; same mask rules.
-- timm ``Attention`` (``Block``): ``attn(x, attn_mask=M, is_causal=c)``; bool masks are True where attention
-  *is* allowed (SDPA semantics).
-- Hugging Face BERT-family self-attention (``BertAttention.self``, transformers 5.x):
-  ``self(hidden_states, attention_mask=M, encoder_hidden_states=None, cache=None, **kwargs)`` returning
-  ``(out, attn_weights)``; M is the model's prepared 4-dim mask (eager: additive float, sdpa: bool True where
-  attention *is* allowed) or None. The swapped layer includes the output projection, so ``swap_attention``
-  sets the sibling ``BertSelfOutput.dense`` to ``nn.Identity`` (its dropout and LayerNorm stay).
+:func:`diffmm.swap_attention` swaps into call ``nn.MultiheadAttention`` (open_clip), open_clip's ``Attention``,
+timm's ``Attention`` and Hugging Face BERT-family self-attention, each with its own mask meaning (the conventions:
+the table in docs/models.md, ``swap_attention``).
 
 The adapter of a layer class is the subclass ``(ConventionCall, LayerClass)`` made by :func:`adapter_class` for
 *any* :class:`~diffmm.nn.AttentionLayer` (nothing to write per variant), named ``<Prefix><LayerClass>``
@@ -20,10 +11,8 @@ The adapter of a layer class is the subclass ``(ConventionCall, LayerClass)`` ma
 importable from this module under that name, so a swapped model pickles. The layer keeps its parameter names
 (``attn.q_proj`` and so on, nothing nested); only its ``forward`` signature changes. Each convention's
 ``native_args`` turns its call into the native one (the attention recorder reads it too). The timm adapters have
-timm's constructor too, so they are timm ``attn_layer`` classes.
-
-FX: the mask translation is an FX leaf (``torch.fx.wrap``), so timm's and torchvision's FX feature extraction
-trace through the adapters.
+timm's constructor too, so they are timm ``attn_layer`` classes. The mask translation is an FX leaf
+(``torch.fx.wrap``), so timm's and torchvision's FX feature extraction trace through the adapters.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` of ``DiffCLIP`` and ``DiffLM``
 (``huggingface_hub.PyTorchModelHubMixin``), writing and reading diffmm's export folder, the one folder format that
-``diffmm export`` writes and ``diffmm.load_pretrained`` reads:
-
-- ``config.json``: ``{"diffmm_export": {"kind": "lm" | "clip", "version": 1}, "config": {...}, "model_type": ...,
-  "architectures": [...]}``; ``config`` is the model's ``LMConfig`` / ``CLIPConfig`` dict. ``model_type`` is a
-  sentence saying this is not a transformers model and what to use instead, so that transformers' error on
-  ``AutoModelForCausalLM.from_pretrained(folder)`` shows it (transformers has no class for it).
-- ``model.safetensors``: the state dict, tied (aliased) weights written once.
-- the tokenizer, when one is known (it writes itself: ``save_pretrained(folder)``; diffmm's tokenizers write the
-  files ``transformers.AutoTokenizer`` loads, :func:`diffmm.models.clip.tokenizer.write_tokenizer_files`).
-- ``README.md``: the model card (kept when the folder already has one).
-
-Loading checks every key and shape in one error (no partial loads). ``push_to_hub`` is the mixin's: it saves to a
-temporary folder with ``save_pretrained`` and uploads it with ``HfApi.upload_folder``.
+``diffmm export`` writes and ``diffmm.load_pretrained`` reads (its files: docs/models.md, "Hugging Face hub"):
+``config.json`` (:func:`model_record` plus a ``model_type`` sentence that transformers' error shows),
+``model.safetensors`` (tied weights once), the tokenizer when one is known, and ``README.md`` (the model card).
+Loading checks every key and shape in one error (no partial loads).
 """
 from __future__ import annotations
 
@@ -82,19 +73,6 @@ def read_record(record: Any, *, source: str, **overrides: Any) -> tuple[type, An
         raise ValueError(f"{source}: unknown export kind {info['kind']!r}; expected one of "
                          f"{', '.join(DiffmmHubMixin.kinds)}")
     return cls, cls.config_from_dict({**record.get("config", {}), **overrides}, source=source)
-
-
-def write_model_files(model: nn.Module, folder: Union[str, os.PathLike]) -> Path:
-    """``config.json`` and ``model.safetensors`` of ``model`` in ``folder``; returns the folder."""
-    sd, _ = unique_state_dict(model)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(folder / WEIGHTS),
-              metadata={"format": "pt", MARKER: model.export_kind})
-    meta = {**model_record(model), "model_type": MODEL_TYPES[model.export_kind],
-            "architectures": [type(model).__name__]}
-    (folder / CONFIG).write_text(json.dumps(meta, indent=2))
-    return folder
 
 
 def read_export(folder: Union[str, os.PathLike], **overrides: Any) -> tuple[type, Any, dict[str, torch.Tensor]]:
@@ -182,8 +160,16 @@ class DiffmmHubMixin(PyTorchModelHubMixin, library_name="diffmm", model_card_tem
             self.__dict__["_hub_tokenizer"] = outer
 
     def _save_pretrained(self, save_directory: Path) -> None:
-        write_model_files(self, save_directory)
-        self.write_tokenizer(Path(save_directory), self.__dict__.get("_hub_tokenizer"))
+        """``config.json``, ``model.safetensors`` and the tokenizer in ``save_directory``."""
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        sd, _ = unique_state_dict(self)
+        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(folder / WEIGHTS),
+                  metadata={"format": "pt", MARKER: self.export_kind})
+        meta = {**model_record(self), "model_type": MODEL_TYPES[self.export_kind],
+                "architectures": [type(self).__name__]}
+        (folder / CONFIG).write_text(json.dumps(meta, indent=2))
+        self.write_tokenizer(folder, self.__dict__.get("_hub_tokenizer"))
 
     def generate_model_card(self, *args: Any, **kwargs: Any) -> huggingface_hub.ModelCard:
         has_tokenizer = self.__dict__.get("_hub_tokenizer") is not None or self.export_kind == "clip"

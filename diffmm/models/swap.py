@@ -1,22 +1,12 @@
 """``swap_attention``: convert, in place, the attention layers of an existing model to another attention type.
 
-Supported models: open_clip ``CLIP`` and ``CustomTextCLIP`` (ViT image tower on ``nn.MultiheadAttention`` or
-open_clip's ``Attention``; a timm image tower through ``TimmModel``; the text Transformer, or a Hugging Face
-BERT-family text tower through ``HFTextEncoder``), a timm ``VisionTransformer``, a Hugging Face BERT-family
-encoder (``transformers.BertModel`` and models with its layout: ``encoder.layer[i].attention.self`` /
-``.output.dense``; attn_implementation ``'eager'`` or ``'sdpa'``), and diffmm's own ``DiffCLIP`` /
-``VisionTransformer``.
-
-Two initialisations:
-
-- ``init='scratch'``: a fresh layer of ``attn_type`` with its own (the paper's) init; the pretrained attention
-  weights are dropped.
-- ``init='upcycle'``: a function-preserving layer built from the pretrained weights (the type's
-  ``upcycle_to`` and ``load_standard``, :class:`diffmm.nn.AttentionLayer`), so the swapped model's outputs at
-  step 0 equal the original's.
-
-The new layer is built as the adapter class of the replaced layer's call convention
-(:mod:`diffmm.models.attn_adapters`), so the block calls it as it called the old one.
+Supported models (the table of blocks, layers read and call conventions: docs/models.md, ``swap_attention``):
+open_clip ``CLIP`` / ``CustomTextCLIP`` (ViT, timm or text Transformer towers, a Hugging Face BERT-family text
+tower), a timm ``VisionTransformer``, a Hugging Face BERT-family encoder, and diffmm's ``DiffCLIP`` /
+``VisionTransformer``. ``init='scratch'``: a fresh layer of ``attn_type`` with the paper's init;
+``init='upcycle'``: a function-preserving layer built from the pretrained weights (the type's ``upcycle_to`` and
+``load_standard``, :class:`diffmm.nn.AttentionLayer`). The new layer is the adapter class of the replaced layer's
+call convention (:mod:`diffmm.models.attn_adapters`), so the block calls it as it called the old one.
 """
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
-"""timm integration: diffmm attention as a timm ``attn_layer``, and diffmm's ViTs as ``timm.create_model`` names.
+"""timm integration: diffmm attention as a timm ``attn_layer``, and diffmm's ViTs as ``timm.create_model`` names
+(what each gives, with examples: docs/models.md, "timm").
 
-- :func:`timm_attn_layer` returns the class timm's ``VisionTransformer(attn_layer=...)`` / ``Block`` builds
-  (timm's constructor and call signature; diffmm's parameter names ``q_proj`` / ``k_proj`` / ``v_proj`` /
-  ``out_proj`` / lambdas / ``diff_norm``). timm checks ``issubclass(attn_layer, ...)``, so it must be the class
-  itself (a ``functools.partial`` is refused) and timm passes it only its own arguments: the depth, another
-  lambda_init and the backend are set after building with :func:`set_layer_depths`.
-- Every image tower of ``diffmm/model_configs`` is registered as ``diffmm_<config name>`` (lower case, ``-`` ->
-  ``_``; e.g. ``diffmm_diffclip_vit_b_16``, ``diffmm_diffclip_star_tiny``, ``diffmm_clip_vit_b_16``): a
-  timm ``VisionTransformer`` whose state dict equals ``DiffCLIP.visual``'s (``diffmm_vit_to_timm``), its diffmm
-  layers given their depth as it is built (:func:`build_vit`), built the way timm builds its ViTs
-  (``build_model_with_cfg``, ``features_only`` through ``FeatureGetterNet`` / ``forward_intermediates``,
-  ``feature_info``, ``num_classes`` (default 0: a feature extractor), ``global_pool``, ``reset_classifier``).
-- Weight sources are pretrained tags (``diffmm.hub.clip_convert.TAGS``), each with its mean/std in ``pretrained_cfg``:
-  ``NAME.diffmm`` (the default), ``NAME.official`` (DiffCLIP configs), ``NAME.open_clip`` (OpenCLIP configs).
-  Nothing is downloaded: ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` loads a local file of any
-  layout diffmm reads (:func:`checkpoint_filter`).
+- :func:`timm_attn_layer`: the class for timm's ``attn_layer=`` (timm's constructor and call, diffmm's parameter
+  names); timm passes it only its own arguments, so :func:`set_layer_depths` sets depth, lambda_init and backend.
+- Every image tower of ``diffmm/model_configs`` is registered as ``diffmm_<config name>`` (:func:`timm_name`): a
+  timm ``VisionTransformer`` whose state dict equals ``DiffCLIP.visual``'s, built as timm builds its ViTs
+  (:func:`build_vit`, ``build_model_with_cfg``).
+- Weight sources are the pretrained tags (``diffmm.hub.clip_convert.TAGS``) with their mean/std in
+  ``pretrained_cfg``; nothing is downloaded: a local file of any layout diffmm reads (:func:`checkpoint_filter`).
 
 ``import diffmm`` imports this module, which registers the names.
 """

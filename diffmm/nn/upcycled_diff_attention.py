@@ -1,27 +1,14 @@
 """Differential attention that reproduces a pretrained standard layer exactly ("upcycling"): the layer
-``swap_attention(attn_type='diff', init='upcycle')`` builds.
+``swap_attention(attn_type='diff', init='upcycle')`` builds (the weights it starts from and why: docs/models.md,
+"init='upcycle': function-preserving conversion").
 
-A pretrained layer has H heads of dim d: ``head_j = softmax(q_j k_j^T / sqrt(d)) v_j``, ``out = [head_j] Wo + bo``.
-The paper's layer at the same width has H/2 heads whose outputs go through a per-head RMSNorm; neither the
-halved heads nor the norm can reproduce the pretrained function, so the upcycled layer changes two things
-relative to the paper's (documented in docs/models.md):
-
-1. **2x heads.** h = H differential heads of component dim d (q/k/v are 2E wide, out_proj is 2E -> E), so
-   every pretrained head keeps its own pair of maps. Upcycled weights, per head j:
-   both query/key components = the pretrained ``q_j`` / ``k_j`` (so A_2 = A_1 at step 0); the 2d-wide value is
-   ``[v_j, v_j]``; the out-proj columns of the two halves are ``Wo_j / 2 -/+ eps_j`` (eps: small noise that
-   breaks the symmetry of the halves and sums to zero); ``lambda_q2 = lambda_q1``, ``lambda_k2 = lambda_k1``
-   (random as in the paper), so lambda = lambda_init exactly.
-2. **A gated norm.** With ``raw = A / (1 - lambda_init)``,
-   ``head = raw + beta_i * (RMSNorm(A) * g * (1 - lambda_init) - raw)``
-   with ``A = (A_1 - lambda A_2) V`` and a learnable per-head gate ``beta`` (``norm_gate``) starting at 0: at
-   step 0 ``A = (1 - lambda_init) A_1 [v_j, v_j]`` and the head output is exactly the pretrained one. With
-   beta = 1 it is the paper's head (normed and scaled by 1 - lambda_init).
-
-At step 0 every new parameter has a non-zero gradient except the norm weight ``g``, whose branch is gated by
-beta = 0; it receives gradient as soon as beta moves (after the first optimiser step).
-
-DIFF V2 needs no new layer (:meth:`diffmm.nn.DiffV2Attention.load_standard`).
+It differs from the paper's layer in two ways. **2x heads**: h = H differential heads of component dim d, so every
+pretrained head keeps its own pair of maps (both components start as the pretrained ``q_j`` / ``k_j``, the value as
+``[v_j, v_j]``, the out-proj halves as ``Wo_j / 2 -/+ eps_j``, lambda = lambda_init exactly). **A gated norm**:
+``head = raw + beta * (RMSNorm(A) * g * (1 - lambda_init) - raw)`` with ``raw = A / (1 - lambda_init)`` and a
+learnable per-head gate ``beta`` (``norm_gate``) starting at 0, so at step 0 the head output is exactly the
+pretrained one, and beta = 1 is the paper's head. DIFF V2 needs no new layer
+(:meth:`diffmm.nn.DiffV2Attention.load_standard`).
 """
 from __future__ import annotations
 

@@ -1,26 +1,15 @@
-"""Differential attention with the two maps combined before V, in query chunks (pure PyTorch).
-
-The SDPA layouts pay for the differential structure in FLOPs: ``split`` computes every QK^T twice (four
-d-wide products per head), ``pair`` runs two 2d-wide products per head on the math kernel. This path
-instead forms the combined map once per query chunk and multiplies V once::
+"""Differential attention with the two maps combined before V, in query chunks (pure PyTorch): the sdpa backend's
+``combined`` layout, its default on CPU (:mod:`diffmm.ops.sdpa`; measurements and design: docs/attention.md)::
 
     P_m = softmax(Q_m K_m^T / sqrt(d) + mask)     m = 1, 2      (rows, S) per head, fp32
     A   = (P_1 - lam * P_2) V                                   (rows, 2d)
 
-so it does the FLOPs of standard attention of equal width (two d-wide QK^T and one 2d-wide PV per head).
-The backward recomputes the maps chunk by chunk instead of storing them, so memory is O(chunk x S), linear
-in N, like a flash kernel. Causal chunks only touch the keys they can see. The matmuls are batched over
-both maps and, for GQA, over the query heads of a kv group (folded into the rows), so K and V are never
-repeated.
-
-Where the time goes on a CPU is the elementwise passes over the (rows, S) maps and fresh multi-MiB buffers (a
-page fault per 4 KiB on first touch), so the temporaries live in per-thread scratch buffers reused by every chunk
-and call, the softmax writes the maps next to the scores and its backward runs in place (fused ATen kernels),
-the causal mask is a cached additive block on the diagonal only, and ``lam`` scales the small (rows, d) products
-instead of the maps. The optional per-head RMSNorm epilogue is fused into the same autograd node.
-
-Everything runs in fp32 (fp64 for fp64 inputs). This is the sdpa backend's ``combined`` layout, its default on
-CPU (see :mod:`diffmm.ops.sdpa`).
+so it does the FLOPs of standard attention of equal width. The backward recomputes the maps chunk by chunk
+(memory O(chunk x S), linear in N); causal chunks touch only the keys they see; GQA query heads are folded into
+the rows, so K and V are never repeated. The temporaries live in per-thread scratch buffers reused by every chunk
+and call (fresh multi-MiB buffers cost a page fault per 4 KiB), the softmax and its backward run in place, and the
+optional per-head RMSNorm epilogue is fused into the same autograd node. Everything runs in fp32 (fp64 for fp64
+inputs).
 """
 from __future__ import annotations
 

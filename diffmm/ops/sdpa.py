@@ -1,19 +1,11 @@
 """The ``sdpa`` backend: PyTorch ``scaled_dot_product_attention`` (and, on CPU, its FLOP-lean sibling).
 
-Three layouts for the differential call (FLOPs per head in units of N*S*d, forward):
-
-- ``combined`` (4): the two maps are formed per query chunk and combined, ``(P1 - lam*P2) V``, before the one
-  product with V (:mod:`diffmm.ops.combined`, pure PyTorch with a recomputing backward and the head norm fused).
-  The FLOPs of standard attention of equal width and memory linear in N. The CPU default.
-- ``split`` (8): V is cut into its two d-wide halves and the four (map, half) products are stacked as 4h heads
-  of width d in one SDPA call. Equal q/k/v head dims make it eligible for the flash kernels, so memory stays
-  linear in N, but every QK^T is computed twice. The CUDA default.
-- ``pair`` (6): two SDPA calls, one per map, each with the 2d-wide V. On CUDA the memory-efficient kernel takes
-  it; on CPU it falls back to the math kernel (an N x S matrix).
-
-Which one runs: ``layout=`` / ``DIFFMM_SDPA_LAYOUT`` if given; else ``combined`` on CPU; on CUDA ``pair`` for a
-few queries (KV-cache decoding, N <= ``PAIR_MAX_QUERIES``: ``split`` would copy the whole cache twice per
-token) and ``split`` otherwise. docs/attention.md has the measurements behind these choices.
+Three layouts for the differential call (their FLOPs, memory and measurements: docs/attention.md, "Backends"):
+``combined``, the two maps combined per query chunk before the one product with V (:mod:`diffmm.ops.combined`;
+the CPU default); ``split``, V cut into its d-wide halves and the four (map, half) products stacked as 4h heads in
+one flash-eligible SDPA call (the CUDA default); ``pair``, two SDPA calls with the 2d-wide V. Which one runs:
+``layout=`` / ``DIFFMM_SDPA_LAYOUT`` if given; else ``combined`` on CPU; on CUDA ``pair`` for few queries
+(KV-cache decoding, N <= ``PAIR_MAX_QUERIES``: ``split`` would copy the whole cache twice per token), else ``split``.
 """
 from __future__ import annotations
 

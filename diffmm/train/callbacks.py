@@ -12,8 +12,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint, TQDMProgressBar
 
-from diffmm.hub.checkpoint import atomic_save
-from diffmm.train.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
+from diffmm.train.checkpoint_io import AtomicCheckpointIO, atomic_save, remove_stale_temporaries
 from diffmm.train.errors import TrainingDiverged
 
 log = logging.getLogger("diffmm.train")

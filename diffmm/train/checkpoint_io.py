@@ -25,6 +25,7 @@ import re
 import shutil
 import socket
 import zipfile
+from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -36,7 +37,7 @@ from diffmm.train.errors import CheckpointSaveError, ConfigError
 
 log = logging.getLogger("diffmm.train")
 
-#: temporary files of AtomicCheckpointIO / diffmm.hub.checkpoint.atomic_save: ``.NAME.tmp-PID``
+#: temporary files of AtomicCheckpointIO / atomic_save: ``.NAME.tmp-PID``
 _TMP_RE = re.compile(r"^\..+\.tmp-(\d+)$")
 #: how :func:`checkpoint_damage` and the loaders word a file that weights-only loading refuses
 UNSAFE = "refused as unsafe to unpickle"
@@ -97,6 +98,20 @@ def _reason(e: BaseException) -> str:
         if "WeightsUnpickler error" in ln or "PytorchStreamReader" in ln:
             return ln
     return lines[0] if lines else type(e).__name__
+
+
+def atomic_save(obj: Any, path: Union[str, os.PathLike]) -> None:
+    """``torch.save`` to a temporary file in the same folder, then rename over ``path`` (no temporary left on
+    errors)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -1,20 +1,12 @@
-"""Where training stands, so ``fit --ckpt_path`` resumes exactly, from any checkpoint, again and again.
+"""Where training stands, so ``fit --ckpt_path`` resumes exactly, from any checkpoint, again and again (what is
+guaranteed and how: docs/fault_tolerance.md, "Exact resume").
 
-One record, :class:`TrainingProgress`, is the source of truth: the data epoch, the batches trained in it
-(``batches x batch_size`` samples per rank), the batches trained in all, the optimizer step and every rank's
-RNG states (torch, Python, NumPy, CUDA). It counts trained batches itself (never from Lightning's loop counters,
-which a checkpoint saved at an epoch's last batch and then resumed gets one epoch behind), writes itself into
-every checkpoint as ``checkpoint["progress"]`` and, on resume, sets Lightning's loop counters from it before
-Lightning restores them, so Lightning, the data and the logs agree. A checkpoint written before this record
-existed resumes from its data position (the training loader's state, ``epoch`` and ``batches``).
-
-The training data follows the record: an iterable shard stream has no index to seek to, but everything it yields
-in an epoch is a function of ``(seed, epoch, rank, worker)``: shard order, sample shuffles (``diffmm.data`` seeds
-them) and, with :class:`ResumableLoader`, the random augmentations too (the DataLoader's worker seeds, or
-in-process a forked torch RNG, come from the same numbers). A resumed epoch is replayed and its first ``batches``
-batches dropped: that costs reading and decoding them again, not training on them. The batches then equal the
-uninterrupted run's provided the shards, batch size, world size, number of workers and seed are unchanged
-(checked on load, a warning names what changed).
+One record, :class:`TrainingProgress`, is the source of truth: the data epoch, the batches trained in it and in
+all, the optimizer step and every rank's RNG states. It counts trained batches itself, writes itself into every
+checkpoint as ``checkpoint["progress"]`` and, on resume, sets Lightning's loop counters from it. The training data
+follows the record: everything a shard stream yields in an epoch is a function of ``(seed, epoch, rank, worker)``
+(with :class:`ResumableLoader`, the augmentations too), so a resumed epoch is replayed and its first ``batches``
+batches dropped. Checkpoints written before the record resume from the training loader's saved data position.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
+from gpucheck import kernels, record  # noqa: E402  (its parts; loading gpu_check.py put scripts/ on sys.path)
 
 BLOCKED = ("open_clip", "webdataset", "jsonargparse", "lightning", "pytorch_lightning", "lightning_fabric")
 BOOT = """
@@ -121,7 +122,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert len(ok) == len(train["rows"]) - 1 and all(r["throughput"] > 0 and r["loss0"] > 0 for r in ok)
     assert len(train["checks"]) == 2 and all(c["ok"] for c in train["checks"])
 
-    for title in gpu_check.TITLES.values():
+    for title in record.TITLES.values():
         assert title in md
     assert "Correctness failures: 0" in md and "| triton | fp32 |" in md
     assert result["kernels"] == {"autotune": {}, "binaries": []}  # interpreted: nothing compiled
@@ -131,7 +132,7 @@ def test_compiled_kernels_render_with_registers_and_spills(tmp_path):
     """The ``kernels`` record (tile, warps, stages, shared memory, device n_regs / n_spills) becomes a table."""
     meta = {"device_name": "H200", "date": "d", "torch": "t", "triton": "3.6", "flash_attn": None, "dry_run": False,
             "budget_s": 1, "command": "c", "t0": 0}
-    rec = gpu_check.Recorder(tmp_path / "r.json", tmp_path / "r.md", meta)
+    rec = record.Recorder(tmp_path / "r.json", tmp_path / "r.md", meta)
     rec.result["kernels"] = {"autotune": {"fwd": {"(1024,)": "BLOCK_M: 32"}}, "binaries": [
         {"kernel": "bwd_dq", "D": 128, "CAUSAL": True, "PREC": "tf32", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8,
          "num_stages": 2, "shared": 102400, "n_regs": 162, "n_spills": 0}]}
@@ -186,13 +187,13 @@ def test_cli_errors_are_one_line():
 
 def test_tolerances_match_the_kernel_tests():
     """Part 1 uses the CPU tests' tolerances (fp32, fp16); compare() flags errors and non-finite values."""
-    C = gpu_check
+    C = kernels
     src = (ROOT / "tests" / "ops" / "test_triton_diff.py").read_text()
     m = re.search(r"TOL = \{torch\.float32: ([0-9.e-]+), torch\.float16: ([0-9.e-]+)\}", src)
     assert m, "TOL not found in tests/ops/test_triton_diff.py"
     assert C.TOL[torch.float32] == float(m.group(1)) and C.TOL[torch.float16] == float(m.group(2))
 
-    want = [torch.ones(3, 4) for _ in C.GRAD_NAMES]
+    want = [torch.ones(3, 4) for _ in record.GRAD_NAMES]
     assert C.compare([w.clone() for w in want], want, 1e-5)[0]
     got = [w.clone() for w in want]
     got[2][0, 0] += 2e-3
@@ -203,9 +204,9 @@ def test_tolerances_match_the_kernel_tests():
 
 
 def test_empty_rows_are_found():
-    c = gpu_check.Case("x", 2, 5, 3, 1, 1, 32, True, True)
+    c = kernels.Case("x", 2, 5, 3, 1, 1, 32, True, True)
     km = torch.tensor([[True, True, True], [False, False, False]])
-    rows = gpu_check.empty_row_mask(c, km, "cpu")
+    rows = kernels.empty_row_mask(c, km, "cpu")
     # causal, S < N: query i sees keys j <= i - 2, so rows 0, 1 see nothing; sequence 1 is fully padded
     assert rows.tolist() == [[True, True, False, False, False], [True] * 5]
 
@@ -215,7 +216,7 @@ def test_out_of_time_records_what_is_left_and_stops_the_loop():
 
     now = time.time()
     part = {"skipped": []}
-    ctx = gpu_check.Ctx(device=torch.device("cpu"), dry=True, t0=now, deadline=now + 60, rec=None)
+    ctx = record.Ctx(device=torch.device("cpu"), dry=True, t0=now, deadline=now + 60, rec=None)
     assert not ctx.out_of_time(part, "case A", 3, "cases") and part["skipped"] == []
     ctx.part_deadline = now - 1  # the part's budget is spent: the loop stops, the rest is recorded once
     assert ctx.out_of_time(part, "case B", 2, "cases")
