@@ -10,6 +10,7 @@ Each generated section of a doc sits between two markers and is rewritten from i
 |---|---|---|
 | ``demo-run``, ``demo-lit``, ``demo-dinov2`` | docs/results.md | ``results/demo/results.json`` (``diffmm demo``) |
 | ``demo-clip``, ``demo-lm`` | docs/results.md | ``results/demo_scratch/results.json`` (the from-scratch run) |
+| ``mechanism-*`` | docs/results.md | ``results/mechanism/`` (``studies/mechanism/analyze.py`` renders them) |
 
     python scripts/results_tables.py                       # rewrite the generated sections
     python scripts/results_tables.py --check               # exit 1 and name the stale sections
@@ -32,6 +33,8 @@ from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the demo application (diffmm_demo/) lives beside the package and is not installed
+sys.path.insert(0, os.path.join(REPO, "studies", "mechanism"))
+import analyze as mechanism  # noqa: E402
 from diffmm_demo.report import comparison_table  # noqa: E402
 
 DEMO_DIR = os.path.join("results", "demo")
@@ -89,12 +92,13 @@ def demo_part(key: str, what: str, folder: str = DEMO_DIR) -> Callable[[str], st
 
 # ----------------------------------------------------------------------------------------- machinery
 DOC = "docs/results.md"  # the doc with generated sections
-SECTIONS: dict[str, tuple[Callable[[str], str], str]] = {  # name -> (render, the run folder it reads)
-    "demo-run": (demo_run, DEMO_DIR),
-    "demo-lit": (demo_part("lit", "LiT"), DEMO_DIR),
-    "demo-dinov2": (demo_part("dinov2", "DINOv2 LiT"), DEMO_DIR),
-    "demo-clip": (demo_part("clip", "image-text", SCRATCH_DIR), SCRATCH_DIR),
-    "demo-lm": (demo_part("lm", "language", SCRATCH_DIR), SCRATCH_DIR),
+SECTIONS: dict[str, tuple[Callable[[str], str], str]] = {  # name -> (render, what it reads)
+    "demo-run": (demo_run, f"{DEMO_DIR}/results.json"),
+    "demo-lit": (demo_part("lit", "LiT"), f"{DEMO_DIR}/results.json"),
+    "demo-dinov2": (demo_part("dinov2", "DINOv2 LiT"), f"{DEMO_DIR}/results.json"),
+    "demo-clip": (demo_part("clip", "image-text", SCRATCH_DIR), f"{SCRATCH_DIR}/results.json"),
+    "demo-lm": (demo_part("lm", "language", SCRATCH_DIR), f"{SCRATCH_DIR}/results.json"),
+    **{name: (fn, "results/mechanism/") for name, fn in mechanism.SECTIONS.items()},  # studies/mechanism/analyze.py
 }
 
 
@@ -112,11 +116,11 @@ def _read_doc(root: str) -> str:
 def render(root: str = REPO) -> tuple[str, list[str]]:
     """The regenerated text of the doc, and the problems (missing markers)."""
     text, problems = _read_doc(root), []
-    for name, (fn, folder) in SECTIONS.items():
+    for name, (fn, source) in SECTIONS.items():
         if not _pattern(name).search(text):
             problems.append(f"{DOC}: no markers for section {name}")
             continue
-        block = (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {folder}/results.json) -->\n" + fn(root).rstrip("\n")
+        block = (f"<!-- BEGIN GENERATED {name} ({SCRIPT} from {source}) -->\n" + fn(root).rstrip("\n")
                  + "\n"
                  f"<!-- END GENERATED {name} -->")
         text = _pattern(name).sub(lambda m, block=block: block, text, count=1)

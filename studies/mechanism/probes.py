@@ -54,7 +54,8 @@ class EmojiSets:
     """The held-out art (Twitter style) with its RGBA originals (alpha = the subject's mask), the training art
     (Noto, OpenMoji) for the linear probe, the class names and the robustness images."""
 
-    def __init__(self, data: str, held: str = "twitter", train=("noto", "openmoji"), seed: int = 0):
+    def __init__(self, data: str, held: str = "twitter", train=("noto", "openmoji"), seed: int = 0,
+                 scenes: bool = True):
         with open(os.path.join(data, "emoji", "classes.json")) as f:
             classes = json.load(f)
         self.names = {lvl: [c.replace("-", " ").lower() for c in classes[f"{lvl}s"]] for lvl in ("group", "subgroup")}
@@ -65,7 +66,9 @@ class EmojiSets:
                      for s in self.held]
         self.alpha = torch.tensor(np.stack([np.asarray(im)[..., 3] / 255.0 for im in self.rgba]), dtype=torch.float32)
         self.labels = {lvl: torch.tensor([s[lvl] for s in self.held]) for lvl in ("group", "subgroup")}
-        self.conditions = {name: self._condition(kind, p, seed) for name, (kind, p) in CONDITIONS.items()}
+        self.conditions = {}  # robustness images (not needed to recompute attention records)
+        if scenes:
+            self.conditions = {name: self._condition(kind, p, seed) for name, (kind, p) in CONDITIONS.items()}
 
     def _condition(self, kind: str, p: float, seed: int) -> list[Image.Image]:
         rng = np.random.default_rng(seed)
@@ -142,7 +145,9 @@ def attention_mass(model, sets: EmojiSets, n: int = 512, layers: Optional[list[i
             return ((a * cover[:, None]).sum(-1) / a.sum(-1).clamp_min(1e-12)).mean(0)
 
         rec_out = {"layer": r.name, "kind": r.kind, "uniform_share": cover.mean().item(),
-                   "max_entropy": math.log(S), "map_share": share(maps).tolist()}
+                   "max_entropy": math.log(S), "map_share": share(maps).tolist(),
+                   "map_positive_share": share(maps.clamp_min(0)).tolist(),  # added after the first results
+                   "map_negative_share": share(maps.clamp_max(0)).tolist()}
         if r.kind == "standard":
             rec_out["entropy"] = entropy(probs).tolist()
         else:
@@ -151,7 +156,8 @@ def attention_mass(model, sets: EmojiSets, n: int = 512, layers: Optional[list[i
                            entropy=entropy(probs[:, 0::2]).tolist(),
                            a1_minus_a2=(probs[:, 0::2] - probs[:, 1::2]).flatten(2).norm(dim=-1).mean(0).tolist(),
                            lam=float(r.lam))
-        rec_out["map_share_mean"] = float(np.mean(rec_out["map_share"]))
+        for k in ("map_share", "map_positive_share", "map_negative_share"):
+            rec_out[f"{k}_mean"] = float(np.mean(rec_out[k]))
         rec_out["entropy_mean"] = float(np.mean(rec_out["entropy"]))
         out[str(li)] = rec_out
     return out

@@ -87,6 +87,20 @@ def evaluate(run_dir: str, data: str) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def reattend(path: str, run_dir: str, data: str) -> None:
+    """Recompute the final checkpoint's attention record of a finished run (JSON ``path``) with the current
+    :func:`probes.attention_mass` (its positive / negative parts were added after the first results)."""
+    from diffmm import load_pretrained
+    from probes import EmojiSets, attention_mass
+    with open(path) as f:
+        result = json.load(f)
+    last = os.path.join(run_dir, "checkpoints", f"step={result['final']['step']:04d}.ckpt")
+    result["final"]["attention"] = attention_mass(load_pretrained(last).eval(), EmojiSets(data, scenes=False))
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def run_one(arm: str, seed: int, args) -> str:
     """Train and measure one arm and seed (skipped when its JSON exists); returns a line for the console."""
     out = os.path.join(args.out, f"{arm}-s{seed}.json")
@@ -136,7 +150,16 @@ def main() -> None:
     e = sub.add_parser("evaluate", help="measure one run's checkpoints (prints JSON)")
     e.add_argument("run_dir")
     e.add_argument("--data", default="data")
+    r = sub.add_parser("reattend", help="recompute the attention record of finished runs")
+    r.add_argument("--data", default="data")
+    r.add_argument("--out", default="results/mechanism/vit")
+    r.add_argument("--runs", default="runs/mechanism/vit")
     args = p.parse_args()
+    if args.cmd == "reattend":
+        for path in sorted(glob.glob(os.path.join(args.out, "*-s*.json"))):
+            reattend(path, os.path.join(args.runs, os.path.basename(path)[:-5]), args.data)
+            print(f"updated {path}", flush=True)
+        return
     if args.cmd == "evaluate":
         print(json.dumps(evaluate(args.run_dir, args.data)))
         return

@@ -28,6 +28,7 @@ def tree(tmp_path, rt) -> str:
     for f in files:
         os.makedirs(tmp_path / os.path.dirname(f), exist_ok=True)
         shutil.copyfile(os.path.join(ROOT, f), tmp_path / f)
+    shutil.copytree(os.path.join(ROOT, "results", "mechanism"), tmp_path / "results" / "mechanism")  # the study's runs
     return str(tmp_path)
 
 
