@@ -27,7 +27,7 @@ from diffmm.nn.diff_attention import DiffAttention
 from diffmm.nn.kv_cache import KVCache
 from diffmm.nn.lambdas import lambda_init_depth, resolve_lambda_init
 from diffmm.nn.norm import RMSNorm
-from diffmm.ops import attention, diff_attention
+from diffmm.ops import diff_attention
 
 
 class DiffAblation(DiffAttention):
@@ -114,15 +114,8 @@ class StandardEpilogue(Attention, attn_type="standard_epilogue"):
                 causal: Optional[bool] = None) -> torch.Tensor:
         """x (B, N, E) -> (B, N, E)."""
         B, N, _ = x.shape
-        H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k = self.project_qk(x, rope, H, Hk)  # (B, N, H, d), (B, N, Hk, d)
-        v = self.v_proj(x).view(B, N, Hk, d)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        out = attention(q, k, v, causal=self.causal if causal is None else causal, attn_mask=attn_mask,
-                        backend=self.backend)  # (B, N, H, d)
-        out = self.head_norm(out) * (1.0 - self.lambda_init)
-        return self.out_proj(out.reshape(B, N, H * d))
+        heads = self.attend(x, attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, causal=causal)  # (B, N, H, d)
+        return self.out_proj((self.head_norm(heads) * (1.0 - self.lambda_init)).reshape(B, N, -1))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lambda_init={self.lambda_init:.4g}"

@@ -45,14 +45,21 @@ class Attention(AttentionLayer, attn_type="standard"):
                 causal: Optional[bool] = None) -> torch.Tensor:
         """x (B, N, E) -> (B, N, E); arguments as in :meth:`DiffAttention.forward`."""
         B, N, _ = x.shape
+        heads = self.attend(x, attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, causal=causal)  # (B, N, H, d)
+        return self.out_proj(heads.reshape(B, N, -1))
+
+    def attend(self, x: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+               rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kv_cache: Optional[KVCache] = None,
+               causal: Optional[bool] = None) -> torch.Tensor:
+        """The heads' outputs (B, N, H, d) before the output projection."""
+        B, N, _ = x.shape
         H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k = self.project_qk(x, rope, H, Hk)  # (B, N, H, d), (B, N, Hk, d)
         v = self.v_proj(x).view(B, N, Hk, d)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        out = attention(q, k, v, causal=self.causal if causal is None else causal, attn_mask=attn_mask,
-                        backend=self.backend)  # (B, N, H, d)
-        return self.out_proj(out.reshape(B, N, H * d))
+        return attention(q, k, v, causal=self.causal if causal is None else causal, attn_mask=attn_mask,
+                         backend=self.backend)
 
     @torch.no_grad()
     def load_standard(self, w: StdAttnWeights, *, generator: Optional[torch.Generator] = None) -> None:
