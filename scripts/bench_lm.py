@@ -11,14 +11,18 @@ weights are loaded three ways:
   holding the DIFF LM's tensors (a timing twin: same shapes and work, not the same function).
 
 One training step = forward, mean next-token cross entropy, backward, AdamW step (same optimizer settings for
-every model). Models are timed in interleaved rounds (peers and ours back to back; the order alternates); the
-speeds are the median and range of the per-round ratios peer / ours, so machine noise hits all of them alike; the
-1-minute load average is printed beside the table. The JSON records the CPU model,
-torch version, threads and the 1-minute load average at start and end.
+every model). ``--loss model`` (default) takes each model's own training loss: HF's ``labels=`` path (logits, then
+``ForCausalLMLoss``), diffmm's ``model(idx, targets, return_logits=False)`` (head and loss fused by chunks,
+``diffmm.ops.linear_cross_entropy``); ``--loss outside`` has every model return logits and the script computes the
+same ``F.cross_entropy`` for all. Models are timed in interleaved rounds (peers and ours back to back; the order
+alternates); the speeds are the median and range of the per-round ratios peer / ours, so machine noise hits all of
+them alike; the 1-minute load average is printed beside the table. The JSON records the CPU model, torch version,
+threads and the 1-minute load average at start and end.
 
     PYTHONPATH=. python scripts/bench_lm.py                          # 58M LM, batch 4 x 512, 2 threads
     PYTHONPATH=. python scripts/bench_lm.py --rounds 9 --json results/bench_lm.json
     PYTHONPATH=. python scripts/bench_lm.py --compile                # also diffmm DIFF LM under torch.compile
+    PYTHONPATH=. python scripts/bench_lm.py --loss outside           # one loss formula for all (logits out)
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ HF_DIFF = "HF DiffLlama"
 HF_LLAMA = "HF Llama"
 TWIN = "diffmm Transformer"
 COMPILED = "diffmm DIFF LM (compile)"
+LOSS_NOTE = {"model": "each model's own (HF labels=, diffmm fused head)", "outside": "F.cross_entropy of the logits"}
 
 
 def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
@@ -66,16 +71,21 @@ def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
     return models
 
 
-def next_token_loss(forward, is_hf: bool, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of ``forward`` (an HF causal LM or a diffmm ``DiffLM``, maybe compiled)."""
+def next_token_loss(forward, is_hf: bool, own_loss: bool, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``forward`` (an HF causal LM or a diffmm ``DiffLM``, maybe compiled): the
+    model's own training loss (``own_loss``) or ``F.cross_entropy`` of its logits."""
+    if own_loss:  # targets are shifted already: HF takes them as shift_labels
+        return forward(input_ids=idx, labels=targets, shift_labels=targets).loss if is_hf else \
+            forward(idx, targets, return_logits=False)[1]
     logits = forward(input_ids=idx).logits if is_hf else forward(idx)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def runner(name: str, model: torch.nn.Module) -> Runner:
+def runner(name: str, model: torch.nn.Module, own_loss: bool) -> Runner:
     """One model with its AdamW (the same settings for every model); ``COMPILED`` runs under torch.compile."""
     forward = torch.compile(model) if name == COMPILED else model
-    return Runner(name, model, partial(next_token_loss, forward, not isinstance(model, DiffLM)), weight_decay=0.05)
+    loss = partial(next_token_loss, forward, not isinstance(model, DiffLM), own_loss)
+    return Runner(name, model, loss, weight_decay=0.05)
 
 
 def warmed_up(args) -> tuple[list[Runner], dict, dict]:
@@ -84,7 +94,7 @@ def warmed_up(args) -> tuple[list[Runner], dict, dict]:
     with tempfile.TemporaryDirectory(prefix="bench_lm_") as tmp:
         models = build_models(args, Path(tmp))
     keep = [s.strip() for s in args.only.split(",") if s.strip()]
-    runners = [runner(n, m) for n, m in models.items() if not keep or n in keep]
+    runners = [runner(n, m, args.loss == "model") for n, m in models.items() if not keep or n in keep]
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     data = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     steps = {r.name: partial(r.step, *data) for r in runners}
@@ -109,7 +119,8 @@ def run(args) -> dict:
                          speed_vs_llama=paired(times[HF_LLAMA], times[n]) if HF_LLAMA in med else None, all_s=times[n]))
     return {**env, "load_1m_end": os.getloadavg()[0], "batch": args.batch, "seq": args.seq, "layers": args.layers,
             "width": args.width, "diff_heads": args.heads, "vocab": args.vocab, "hf_attn": args.hf_attn,
-            "clock": "thread_cpu" if args.cpu_time else "wall", "loadavg_1m": [min(loads), max(loads)], "rows": rows}
+            "loss": args.loss, "clock": "thread_cpu" if args.cpu_time else "wall",
+            "loadavg_1m": [min(loads), max(loads)], "rows": rows}
 
 
 def profile_steps(args) -> int:
@@ -123,7 +134,8 @@ def profile_steps(args) -> int:
 def table(res: dict) -> str:
     lines = [f"CPU ({res['cpu']}), fp32, {res['threads']} threads, torch {res['torch']}, LM {res['layers']} layers x "
              f"width {res['width']}, {res['diff_heads']} differential heads (standard: {2 * res['diff_heads']}), vocab "
-             f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; HF attention {res['hf_attn']}; "
+             f"{res['vocab']}, batch {res['batch']} x {res['seq']}, fwd+bwd+AdamW; loss: {LOSS_NOTE[res['loss']]}; "
+             f"HF attention {res['hf_attn']}; "
              f"{res['clock']} clock, {len(res['rows'][0]['all_s'])} interleaved rounds; speed = median [range] of the "
              f"per-round ratios peer / model; 1-min load {res['loadavg_1m'][0]:.1f}-{res['loadavg_1m'][1]:.1f}", "",
              "| model | params (M) | s/step | tokens/s | speed vs HF DiffLlama | speed vs HF Llama | warm-up s |",
@@ -146,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=512)
     add_timing_args(p, rounds=7, iters=1, iters_help="training steps per model per round")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--loss", default="model", choices=["model", "outside"],
+                   help="each model's own training loss, or F.cross_entropy of every model's logits")
     p.add_argument("--with-twin", action="store_true", help="also time diffmm's standard-attention LM")
     p.add_argument("--compile", action="store_true", help="also time the DIFF LM under torch.compile")
     p.add_argument("--only", default="", help="comma-separated model names to keep (e.g. 'diffmm DIFF LM')")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from diffmm.models.hub_mixin import DiffmmHubMixin, save_tokenizer_object
 from diffmm.models.lm_configs import LM_CONFIGS
 from diffmm.nn import KVCache, RMSNorm, RotaryEmbedding, SwiGLU, create_attention, get_attention_class
-
+from diffmm.ops.linear_cross_entropy import linear_cross_entropy
 
 #: LMConfig keys before LM and CLIP configs shared one vocabulary (nanoGPT's) -> today's (open_clip's, as the CLIP
 #: configs). The old keys are still read, with a FutureWarning; the old attribute names are read-only aliases.
@@ -272,7 +272,7 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 attn_mask: Optional[torch.Tensor] = None, kv_caches: Optional[list[KVCache]] = None,
-                start_pos: int = 0):
+                start_pos: int = 0, return_logits: bool = True):
         """Next-token logits, and the loss when ``targets`` is given.
 
         Args:
@@ -283,15 +283,20 @@ class DiffLM(nn.Module, DiffmmHubMixin, paper_url="https://arxiv.org/abs/2410.05
             kv_caches: one :class:`~diffmm.nn.KVCache` per layer (see :meth:`new_kv_caches`); this
                 call appends its keys/values and attends over everything cached.
             start_pos: position of ``idx[:, 0]``; must equal the number of cached positions.
+            return_logits: with ``targets``, False skips the (B, T, vocab) logits: the head and the loss run fused
+                by chunks (:func:`diffmm.ops.linear_cross_entropy`, the fast training path) and logits is None.
 
         Returns:
             logits (B, T, vocab) when ``targets`` is None, else ``(logits, loss)`` (mean cross entropy, fp32).
         """
-        logits = self.lm_head(self.forward_hidden(idx, attn_mask=attn_mask, kv_caches=kv_caches, start_pos=start_pos))
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets has shape {tuple(targets.shape)}; expected {tuple(idx.shape)} like idx")
+        hidden = self.forward_hidden(idx, attn_mask=attn_mask, kv_caches=kv_caches, start_pos=start_pos)  # (B, T, E)
+        if targets is not None and not return_logits:
+            return None, linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index=-100)
+        logits = self.lm_head(hidden)
         if targets is None:
             return logits
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets has shape {tuple(targets.shape)}; expected {tuple(idx.shape)} like idx")
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         return logits, loss
 

@@ -1,4 +1,5 @@
-"""diffmm's attention kernel contract: one place for every attention op and backend.
+"""diffmm's attention kernel contract: one place for every attention op and backend (and the fused LM-head loss,
+``linear_cross_entropy``).
 
 ``import diffmm.ops`` needs only torch (and triton for the fused kernel, when installed).
 
@@ -8,6 +9,7 @@
 from diffmm.ops import flash as _flash
 from diffmm.ops.diff_v2 import diff_v2_attention
 from diffmm.ops.functional import attention, diff_attention
+from diffmm.ops.linear_cross_entropy import linear_cross_entropy
 from diffmm.ops.reference import attention_reference, diff_attention_reference
 from diffmm.ops.registry import (AUTO_ORDER, ENV_VAR, AttentionBackend, AttentionCall,
                                  get_backend, list_backends, register_backend, select_backend)
@@ -33,5 +35,5 @@ except ImportError:  # triton not installed, or the module not built yet
 __all__ = [
     "diff_attention", "attention", "diff_v2_attention", "diff_attention_reference", "attention_reference",
     "diff_attention_sdpa", "attention_sdpa", "AttentionBackend", "AttentionCall", "register_backend",
-    "get_backend", "list_backends", "select_backend", "AUTO_ORDER", "ENV_VAR",
+    "get_backend", "list_backends", "select_backend", "AUTO_ORDER", "ENV_VAR", "linear_cross_entropy",
 ]

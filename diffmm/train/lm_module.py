@@ -29,6 +29,9 @@ class LMModule(TrainModule):
     ``(inputs, targets)`` pairs whose targets are -100 where no loss is taken (the associative-recall data of
     :class:`~diffmm.train.datamodules.RecallDataModule`: loss and accuracy on the answers only).
 
+    On training steps that log nothing, a ``DiffLM`` runs its head and loss fused, without logits
+    (``return_logits=False``); logging steps compute the logits for the accuracy.
+
     Defaults follow the DIFF Transformer recipe (arXiv 2410.05258, App. E): AdamW betas (0.9, 0.98), weight decay
     0.05, 375 warmup steps, cosine decay; lr 1.5e-3 is its value at ~1B parameters.
 
@@ -87,10 +90,13 @@ class LMModule(TrainModule):
         return next_token_loss(logits, targets), correct, mask.sum()
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        loss, correct, n = self.scored(batch)
-        extra = None
-        if self.should_log_now():
-            extra = {"train/ppl": math.exp(min(float(loss.detach()), 50.0)), "train/accuracy": float(correct / n)}
+        extra, log_now = None, self.should_log_now()
+        if log_now or not isinstance(self.model, DiffLM):
+            loss, correct, n = self.scored(batch)
+            if log_now:
+                extra = {"train/ppl": math.exp(min(float(loss.detach()), 50.0)), "train/accuracy": float(correct / n)}
+        else:  # no logits needed: the head and the loss run fused by chunks (DiffLM's fast training path)
+            loss = self.run_model(*inputs_and_targets(batch), return_logits=False)[1]
         self.log_step(loss, inputs_and_targets(batch)[0].numel(), "tokens_per_s", extra)
         return loss
 

@@ -107,7 +107,7 @@ def test_fullgraph_capture_on_fake_cuda(which, tmp_path):
         fused = trusting_triton()
         with torch.device("meta"):
             if which == "lm":
-                model, inputs = DiffLM(LMConfig.from_name("diff-tiny", n_embd=256)), (torch.randint(0, 256, (2, 16)),)
+                model, inputs = DiffLM(LMConfig.from_name("diff-tiny", width=256)), (torch.randint(0, 256, (2, 16)),)
             else:
                 model = diffmm.create_model("DiffCLIP-Tiny")
                 inputs = (torch.randn(2, 3, 64, 64), torch.randint(0, 49408, (2, 32)))

@@ -100,6 +100,22 @@ def test_forward_loss_and_gradients(attention):
     assert isinstance(model(idx), torch.Tensor)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_fused_head_loss_equals_the_logits_path(tie):
+    """``return_logits=False`` (head and loss fused by chunks): same loss and gradients, tied head or not."""
+    model = make("diff", tie_embeddings=tie).train()
+    idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    targets[1, 4:9] = -100
+    _, want = model(idx, targets)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    logits, loss = model(idx, targets, return_logits=False)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert logits is None
+    torch.testing.assert_close(loss, want)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
 def test_structure_and_tying():
     model = make("diff", n_kv_head=4)
     assert model.lm_head.weight is model.wte.weight
@@ -266,8 +282,9 @@ def test_torch_compile_matches_eager(attention):
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    _, loss = compiled(idx, idx, attn_mask=mask)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+    for return_logits in (True, False):  # the fused head loss compiles as the plain formula
+        _, loss = compiled(idx, idx, attn_mask=mask, return_logits=return_logits)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)

@@ -103,10 +103,10 @@ def test_lit_step_with_cached_prefixes(tmp_path):
 
 
 def test_lm_step_and_generation():
-    """DIFF LM (GQA, head dim 64) under bf16 autocast: logits bf16, loss and gradients fp32; then KV-cache
-    generation (one fused call per layer and token)."""
+    """DIFF LM (GQA, head dim 64) under bf16 autocast: logits bf16, loss and gradients fp32, with the logits and
+    with the fused head loss; then KV-cache generation (one fused call per layer and token)."""
     with torch.device("meta"):
-        model = DiffLM(LMConfig.from_name("diff-tiny", n_embd=256, n_kv_head=2))
+        model = DiffLM(LMConfig.from_name("diff-tiny", width=256, kv_heads=2))
     with fake_cuda() as mode:
         to_fake_cuda(model, mode)
         idx = torch.randint(0, 256, (2, 16))
@@ -117,9 +117,15 @@ def test_lm_step_and_generation():
             backward(loss)
             optimizer_step(model)
             assert ops["diffmm::triton_diff_fwd"] == ops["diffmm::triton_diff_bwd"] == 2
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # the fused head loss: no logits
+                logits, loss = model(idx, idx, return_logits=False)
+            assert (logits, loss.device, loss.dtype) == (None, CUDA, torch.float32)
+            backward(loss)
+            optimizer_step(model)
             out = model.generate(idx[:, :4], 3, greedy=True)
         assert (out.shape, out.device, out.dtype) == ((2, 7), CUDA, torch.int64)
-        assert ops["diffmm::triton_diff_fwd"] == 2 + 3 * 2
+        assert ops["diffmm::triton_diff_fwd"] == 4 + 3 * 2
 
 
 def test_a_cpu_tensor_in_the_step_is_caught():

@@ -104,3 +104,19 @@ def test_bf16_mixed_fit_and_warmup_epochs(tmp_path, image_text_data):
     assert sched.lr_lambdas[0].warmup_steps == 3  # 96 samples / 16 = 6 steps per epoch, half of it
     assert sched.lr_lambdas[0].total_steps == 3
     assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+
+
+def test_lm_training_step_takes_the_fused_head_loss_between_logging_steps(monkeypatch, text_data):
+    """Off the logging steps the DIFF LM's step skips the logits (head and loss fused); the loss is the same."""
+    module = LMModule("diff-tiny", model_kwargs={"layers": 1, "width": 32, "heads": 4}, tokenizer=text_data[2])
+    batch = torch.randint(0, 300, (2, 17))
+    calls = []
+    forward = module.model.forward
+    monkeypatch.setattr(module.model, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))
+    fused = module.training_step(batch, 0)  # no trainer attached: not a logging step
+    assert calls[-1].get("return_logits") is False
+    monkeypatch.setattr(module, "should_log_now", lambda: True)
+    monkeypatch.setattr(module, "log_step", lambda *a, **k: None)
+    with_logits = module.training_step(batch, 1)
+    assert "return_logits" not in calls[-1]
+    torch.testing.assert_close(fused, with_logits)
