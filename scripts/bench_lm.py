@@ -7,6 +7,7 @@ weights are loaded three ways:
 - ``HF DiffLlama``: ``DiffLlamaForCausalLM.from_pretrained(folder)`` (``--hf-attn``, default sdpa);
 - ``HF Llama``: ``LlamaForCausalLM.from_pretrained(folder)``: the same shape (2h heads of dim d) with the same
   projection, MLP, norm and embedding weights (the lambdas have no place in it: reported as unused);
+- ``diffmm DIFF LM (logits + F.cross_entropy)`` (``--with-logits``): the DIFF LM without its fused head loss;
 - ``diffmm Transformer`` (``--with-twin``): diffmm's standard-attention LM of the same shape (2h heads of dim d),
   holding the DIFF LM's tensors (a timing twin: same shapes and work, not the same function).
 
@@ -47,6 +48,7 @@ HF_DIFF = "HF DiffLlama"
 HF_LLAMA = "HF Llama"
 TWIN = "diffmm Transformer"
 COMPILED = "diffmm DIFF LM (compile)"
+LOGITS = "diffmm DIFF LM (logits + F.cross_entropy)"
 LOSS_NOTE = {"model": "each model's own (HF labels=, diffmm fused head)", "outside": "F.cross_entropy of the logits"}
 
 
@@ -68,6 +70,8 @@ def build_models(args, folder: Path) -> dict[str, torch.nn.Module]:
         models[TWIN] = twin
     if args.compile:
         models[COMPILED] = diffmm.load_pretrained(folder / "difflama")
+    if args.with_logits:
+        models[LOGITS] = diffmm.load_pretrained(folder / "difflama")
     return models
 
 
@@ -94,7 +98,7 @@ def warmed_up(args) -> tuple[list[Runner], dict, dict]:
     with tempfile.TemporaryDirectory(prefix="bench_lm_") as tmp:
         models = build_models(args, Path(tmp))
     keep = [s.strip() for s in args.only.split(",") if s.strip()]
-    runners = [runner(n, m, args.loss == "model") for n, m in models.items() if not keep or n in keep]
+    runners = [runner(n, m, args.loss == "model" and n != LOGITS) for n, m in models.items() if not keep or n in keep]
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     data = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     steps = {r.name: partial(r.step, *data) for r in runners}
@@ -162,6 +166,8 @@ def main(argv=None) -> int:
                    help="each model's own training loss, or F.cross_entropy of every model's logits")
     p.add_argument("--with-twin", action="store_true", help="also time diffmm's standard-attention LM")
     p.add_argument("--compile", action="store_true", help="also time the DIFF LM under torch.compile")
+    p.add_argument("--with-logits", action="store_true",
+                   help="also time the DIFF LM returning logits, with F.cross_entropy outside (no fused head loss)")
     p.add_argument("--only", default="", help="comma-separated model names to keep (e.g. 'diffmm DIFF LM')")
     args = p.parse_args(argv)
     if args.threads:
