@@ -56,6 +56,27 @@ def test_param_groups_feed_adamw():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
+def test_adamw_is_fused_on_the_cpu_and_steps_as_the_loop():
+    """The fused kernel on CPU parameters (torch's default there is a per-tensor loop): the same fp32 update as the
+    loop up to rounding, over a few steps with weight decay."""
+    torch.manual_seed(0)
+    model, twin = TinyCLIP(), TinyCLIP()
+    twin.load_state_dict(model.state_dict())
+    opt = adamw(model, 1e-2, 0.1, (0.9, 0.98), 1e-8)
+    assert opt.defaults["fused"] is True
+    loop = torch.optim.AdamW(param_groups(twin, 0.1), lr=1e-2, betas=(0.9, 0.98), eps=1e-8, foreach=False)
+    for _ in range(3):
+        for m in (model, twin):
+            for i, p in enumerate(m.parameters()):
+                p.grad = torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).reshape(p.shape)
+        opt.step()
+        loop.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6, msg=name)
+    with torch.device("meta"):
+        assert adamw(TinyCLIP(), 1e-2, 0.1, (0.9, 0.98), 1e-8).defaults["fused"] is None  # elsewhere: torch's choice
+
+
 def test_warmup_cosine_values():
     f = WarmupCosine(warmup_steps=10, total_steps=110, min_ratio=0.02)
     assert f(0) == pytest.approx(0.1) and f(4) == pytest.approx(0.5) and f(9) == pytest.approx(1.0)
