@@ -26,7 +26,9 @@ Parts, in this order (``--parts 1,3`` or ``--parts correctness,diff_v2`` selects
 3. ``diff_v2``: one layer of DIFF V1 (arXiv 2410.05258), DIFF V2 and standard attention at equal width:
    prefill, training step and decoding, with each one's forward FLOPs relative to standard.
 4. ``train``: one bf16 training step of DiffCLIP-ViT-B/16 and of 4 layers of the 830M / 1.4B DIFF LM shapes,
-   ``triton`` vs ``sdpa`` from the same weights and batch (equal first-step losses), and the standard twins.
+   ``triton`` vs ``sdpa`` from the same weights and batch (equal first-step losses), and the standard twins; the
+   LMs train through the fused head loss, and the sdpa DIFF LM once more through the full logits (equal losses;
+   time and peak memory of the two heads).
 
 Each part gets a share of ``--budget-s`` (default 480 s; time a part does not use passes on); a part out of time
 skips its remaining cases and says so, and once the budget is gone the remaining parts are recorded as skipped.

@@ -31,10 +31,10 @@ CLIP_GPU = dict(batch=128, diff="DiffCLIP-ViT-B-16", standard="CLIP-ViT-B-16", o
 CLIP_DRY = dict(batch=2, diff="DiffCLIP-Tiny", standard="CLIP-Tiny",
                 overrides=dict(vision_cfg=dict(layers=1, image_size=32),
                                text_cfg=dict(layers=1, context_length=16, vocab_size=1000)))
-LM_GPU = dict(batch=8, seq=2048, shapes={"830m": {"n_layer": 4}, "1.4b": {"n_layer": 4}})
+LM_GPU = dict(batch=8, seq=2048, shapes={"830m": {"layers": 4}, "1.4b": {"layers": 4}})
 LM_DRY = dict(batch=1, seq=16, shapes={  # toy widths with the paper shapes' head dims (96, 128)
-    "830m": dict(n_layer=1, n_embd=192, n_head=2, vocab_size=512, block_size=16),
-    "1.4b": dict(n_layer=1, n_embd=256, n_head=2, vocab_size=512, block_size=16)})
+    "830m": dict(layers=1, width=192, heads=2, vocab_size=512, context_length=16),
+    "1.4b": dict(layers=1, width=256, heads=2, vocab_size=512, context_length=16)})
 
 
 # ---------------------------------------------------------------------------------------------- 3. diff_v2
@@ -156,8 +156,9 @@ def clip_job(ctx: Ctx, spec: dict, name: str, backend: str):
     return model, loss_fn, B, "samples"
 
 
-def lm_job(ctx: Ctx, spec: dict, shape: str, attention: str, backend: str):
-    """The first layers of a DIFF LM paper shape (or its Transformer twin) and its next-token loss on one batch."""
+def lm_job(ctx: Ctx, spec: dict, shape: str, attention: str, backend: str, head: str):
+    """The first layers of a DIFF LM paper shape (or its Transformer twin) and its next-token loss on one batch:
+    through the fused head loss (``head="fused"``, how ``LMModule`` trains) or the full logits (``"logits"``)."""
     prefix = "diff" if attention == "diff" else "transformer"
     cfg = LMConfig.from_name(f"{prefix}-{shape}", attn_backend=backend, **spec["shapes"][shape])
     torch.manual_seed(0)
@@ -165,7 +166,8 @@ def lm_job(ctx: Ctx, spec: dict, shape: str, attention: str, backend: str):
         model = DiffLM(cfg)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(cfg.vocab_size, (spec["batch"], spec["seq"] + 1), generator=g).to(ctx.device)
-    return model, lambda: model(ids[:, :-1], ids[:, 1:])[1], spec["batch"] * spec["seq"], "tokens"
+    loss = lambda: model(ids[:, :-1], ids[:, 1:], return_logits=head == "logits")[1]  # noqa: E731
+    return model, loss, spec["batch"] * spec["seq"], "tokens"
 
 
 def train_steps(ctx: Ctx, model, loss_fn, row: dict) -> None:
@@ -198,11 +200,11 @@ def train_steps(ctx: Ctx, model, loss_fn, row: dict) -> None:
 
 
 def train_case(ctx: Ctx, part: dict, item: tuple, row: dict, clip: dict, lm: dict) -> None:
-    kind, name, attention, backend = item
+    kind, name, attention, backend, head = item
     start = time.time()
     try:
         model, loss_fn, per_step, unit = (clip_job(ctx, clip, name, backend) if kind == "clip" else
-                                          lm_job(ctx, lm, name, attention, backend))
+                                          lm_job(ctx, lm, name, attention, backend, head))
         train_steps(ctx, model, loss_fn, row)
         row.update(unit=unit, per_step=per_step, throughput=per_step / row["step_ms"] * 1e3, status="ok")
     except RuntimeError as e:  # a shape the backend does not take (830M: head dim 96) is recorded, not an error
@@ -215,42 +217,58 @@ def train_case(ctx: Ctx, part: dict, item: tuple, row: dict, clip: dict, lm: dic
 
 
 def check_losses(ctx: Ctx, part: dict, row: dict) -> None:
-    """Once both backends of a DIFF model ran: their first-step losses must agree within ``LOSS_RTOL``."""
-    pair = {r["backend"]: r for r in part["rows"] + [row]
-            if r["group"] == row["group"] and r["attention"] == "diff" and r["status"] == "ok"}
-    if row["attention"] != "diff" or set(pair) != {"triton", "sdpa"} or row["backend"] not in pair:
+    """Once both backends of a DIFF model ran (fused head for LMs), and once an LM's sdpa row ran with both heads:
+    their first-step losses must agree within ``LOSS_RTOL``."""
+    if row["attention"] != "diff" or row["status"] != "ok":
         return
-    a, b = pair["triton"], pair["sdpa"]
+    done = {(r["backend"], r["head"]): r for r in part["rows"] + [row]
+            if r["group"] == row["group"] and r["attention"] == "diff" and r["status"] == "ok"}
+    fused = "fused" if row["kind"] == "lm" else "-"
+    pairs = {"triton vs sdpa": (("triton", fused), ("sdpa", fused)),
+             "fused head vs logits (sdpa)": (("sdpa", "fused"), ("sdpa", "logits"))}
+    for compared, (first, second) in pairs.items():
+        if (row["backend"], row["head"]) in (first, second) and first in done and second in done:
+            add_check(ctx, part, row["model"], compared, done[first], done[second])
+
+
+def add_check(ctx: Ctx, part: dict, model: str, compared: str, a: dict, b: dict) -> None:
+    """Rows ``a`` and ``b`` of one model: losses, gradient norms, speed and peak memory side by side."""
     rel0 = abs(a["loss0"] - b["loss0"]) / max(abs(b["loss0"]), 1.0)
-    chk = {"model": row["model"], "loss0_rel_diff": rel0, "tol": LOSS_RTOL, "ok": rel0 <= LOSS_RTOL,
+    chk = {"model": model, "compared": compared, "loss0_rel_diff": rel0, "tol": LOSS_RTOL, "ok": rel0 <= LOSS_RTOL,
            "loss1_rel_diff": abs(a["loss1"] - b["loss1"]) / max(abs(b["loss1"]), 1.0),
            "grad_norm0_rel_diff": abs(a["grad_norm0"] - b["grad_norm0"]) / max(b["grad_norm0"], 1e-12),
-           "speed_triton_over_sdpa": b["step_ms"] / a["step_ms"]}
+           "speed_first_over_second": b["step_ms"] / a["step_ms"]}
+    if "peak_gib" in a and "peak_gib" in b:
+        chk["peak_first_over_second"] = a["peak_gib"] / b["peak_gib"]
     part["checks"].append(chk)
     if not chk["ok"]:
-        ctx.failures.append(f"train step {row['model']}: first-step loss triton {a['loss0']:.5f} vs sdpa "
+        ctx.failures.append(f"train step {model} ({compared}): first-step loss {a['loss0']:.5f} vs "
                             f"{b['loss0']:.5f} (rel {rel0:.2e} > {LOSS_RTOL:.0e})")
 
 
 def run_train(ctx: Ctx, part: dict) -> None:
     clip, lm = (CLIP_DRY, LM_DRY) if ctx.dry else (CLIP_GPU, LM_GPU)
     part.update(checks=[], amp="none (fp32 dry run)" if ctx.dry else "bf16 autocast",
-                lm_layers={k: v["n_layer"] for k, v in lm["shapes"].items()}, lm_batch=[lm["batch"], lm["seq"]],
+                lm_layers={k: v["layers"] for k, v in lm["shapes"].items()}, lm_batch=[lm["batch"], lm["seq"]],
                 clip_batch=clip["batch"], clip_models=[clip["diff"], clip["standard"]])
     part["notes"] = [f"{part['amp']}; AdamW (fused on CUDA); CLIP batch {clip['batch']}; LM batch x sequence "
                      f"{part['lm_batch']}, first layers of the DIFF paper shapes {part['lm_layers']}; median of the "
                      "timed steps after two untimed ones; job s = model build + compiles + all steps",
-                     f"the first-step losses of triton and sdpa must agree within {LOSS_RTOL:.0%} (relative)"]
-    todo = [("clip", clip["diff"], "diff", "triton"), ("clip", clip["diff"], "diff", "sdpa"),
-            ("clip", clip["standard"], "standard", "sdpa")]
+                     "LM loss through the fused head (DiffLM(..., return_logits=False), how LMModule trains); one "
+                     "DIFF sdpa row per LM shape through the full logits (head: logits) for its time and memory",
+                     f"the first-step losses of triton and sdpa, and of the two heads, must agree within "
+                     f"{LOSS_RTOL:.0%} (relative)"]
+    todo = [("clip", clip["diff"], "diff", "triton", "-"), ("clip", clip["diff"], "diff", "sdpa", "-"),
+            ("clip", clip["standard"], "standard", "sdpa", "-")]
     for shape in lm["shapes"]:
-        todo += [("lm", shape, "diff", "triton"), ("lm", shape, "diff", "sdpa"), ("lm", shape, "standard", "sdpa")]
+        todo += [("lm", shape, "diff", "triton", "fused"), ("lm", shape, "diff", "sdpa", "fused"),
+                 ("lm", shape, "diff", "sdpa", "logits"), ("lm", shape, "standard", "sdpa", "fused")]
 
     def describe(item):
-        kind, name, attention, backend = item
+        kind, name, attention, backend, head = item
         model = name if kind == "clip" else (f"{'diff' if attention == 'diff' else 'transformer'}-{name} "
-                                             f"({lm['shapes'][name]['n_layer']} layers)")
-        return {"label": f"{model} {backend}", "kind": kind, "group": name, "model": model, "attention": attention,
-                "backend": backend}
+                                             f"({lm['shapes'][name]['layers']} layers)")
+        return {"label": f"{model} {backend}" + (f" {head} head" if kind == "lm" else ""), "kind": kind,
+                "group": name, "model": model, "attention": attention, "backend": backend, "head": head}
 
     run_cases(ctx, part, "4/train", todo, describe, lambda item, row: train_case(ctx, part, item, row, clip, lm))

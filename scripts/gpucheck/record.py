@@ -173,12 +173,14 @@ TABLES = {
                          "V2 ms": "diff_v2_ms", "V1/std": "diff_vs_standard", "V2/std": "diff_v2_vs_standard",
                          "FLOPs V1/std": "diff_flops_ratio", "FLOPs V2/std": "diff_v2_flops_ratio",
                          "standard MiB": "standard_mib", "V1 MiB": "diff_mib", "V2 MiB": "diff_v2_mib"}},
-    "train": {"rows": {"model": "model", "attention": "attention", "backend": "backend", "status": "status",
+    "train": {"rows": {"model": "model", "attention": "attention", "backend": "backend", "head": "head",
+                       "status": "status",
                        "params M": "params_m", "loss step 0": "loss0", "loss step 1": "loss1", "ms/step": "step_ms",
                        "throughput": "throughput", "per": "unit", "peak GiB": "peak_gib", "job s": "wall_s"},
-              "checks": {"model": "model", "loss0 rel diff triton vs sdpa": "loss0_rel_diff", "tol": "tol",
-                         "ok": "ok", "loss1 rel diff": "loss1_rel_diff", "grad-norm rel diff": "grad_norm0_rel_diff",
-                         "triton speed / sdpa": "speed_triton_over_sdpa"}},
+              "checks": {"model": "model", "first vs second": "compared", "loss0 rel diff": "loss0_rel_diff",
+                         "tol": "tol", "ok": "ok", "loss1 rel diff": "loss1_rel_diff",
+                         "grad-norm rel diff": "grad_norm0_rel_diff", "speed first / second": "speed_first_over_second",
+                         "peak GiB first / second": "peak_first_over_second"}},
 }
 
 

@@ -115,12 +115,16 @@ def test_dry_run_runs_every_part(tmp_path):
     assert all(r["backends"]["diff"] == "triton" for r in layers)
 
     train = parts["train"]
-    by = {(r["group"], r["attention"], r["backend"]): r for r in train["rows"]}
-    assert by[("830m", "diff", "triton")]["status"] == "unsupported"  # d = 96: the kernel takes 32, 64, 128
-    assert "head dim" in by[("830m", "diff", "triton")]["reason"]
+    by = {(r["group"], r["attention"], r["backend"], r["head"]): r for r in train["rows"]}
+    assert by[("830m", "diff", "triton", "fused")]["status"] == "unsupported"  # d = 96: the kernel takes 32, 64, 128
+    assert "head dim" in by[("830m", "diff", "triton", "fused")]["reason"]
+    assert {k[3] for k in by if k[0] == "1.4b"} == {"fused", "logits"}
     ok = [r for r in train["rows"] if r["status"] == "ok"]
     assert len(ok) == len(train["rows"]) - 1 and all(r["throughput"] > 0 and r["loss0"] > 0 for r in ok)
-    assert len(train["checks"]) == 2 and all(c["ok"] for c in train["checks"])
+    compared = sorted((c["model"].split(" ")[0], c["compared"]) for c in train["checks"])
+    assert compared == [("DiffCLIP-Tiny", "triton vs sdpa"), ("diff-1.4b", "fused head vs logits (sdpa)"),
+                        ("diff-1.4b", "triton vs sdpa"), ("diff-830m", "fused head vs logits (sdpa)")], compared
+    assert all(c["ok"] for c in train["checks"])
 
     for title in record.TITLES.values():
         assert title in md
